@@ -1,0 +1,201 @@
+"""Read and write Keras preset folders with h5py, one tensor at a time.
+
+A preset folder holds `config.json`, `metadata.json`, `model.weights.h5` (or the sharded
+`model.weights.json` + `model_0000k.weights.h5`), optional `task.weights.h5`, and tokenizer
+assets under `assets/tokenizer/`. Inside an H5 file every layer's variables sit in a
+`<path>/vars` group as datasets named "0", "1", ...; bfloat16 is stored as opaque `|V2`.
+
+Reading streams: each tensor is read, cast, placed on its device(s) and dropped before the next,
+so host memory peaks near one copy of the weights plus one tensor.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Callable
+
+import h5py
+import jax
+import ml_dtypes
+import numpy as np
+
+from jaxlm import families
+from jaxlm.errors import UserError
+from jaxlm.tree import flatten, unflatten
+
+TASK_PREFIX = "task:"  # a family's keras_paths value with this prefix lives in task.weights.h5
+
+
+def read_config(preset_dir: str):
+    """-> (family, config) from a preset's config.json (keras_hub> and keras_nlp> names)."""
+    path = os.path.join(preset_dir, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise UserError(f"{preset_dir} is not a Keras preset folder: it has no config.json") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e}); re-export the preset") from None
+    name = raw.get("registered_name") or raw.get("class_name") or ""
+    class_name = name.split(">")[-1]  # "keras_hub>GemmaBackbone" / "keras_nlp>GemmaBackbone"
+    family = families.by_keras_class(class_name)
+    return family, family.config_from_keras(raw.get("config", {}))
+
+
+class H5Store:
+    """Tensor lookup across a preset's weight files by H5 dataset path ("layers/…/vars/0").
+
+    `files` maps a role ("model", "task") to a .weights.h5 path, or to a .weights.json index of
+    shards. Task-level files written by `task.save_weights()` nest the backbone under
+    `layers/<backbone>/`; that prefix is found once and applied to every lookup.
+    """
+
+    def __init__(self, files: dict[str, str]):
+        self._files = files
+        self._open: dict[str, h5py.File] = {}
+        self._prefix: dict[str, str] = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for f in self._open.values():
+            f.close()
+
+    def _h5(self, path: str) -> h5py.File:
+        if path not in self._open:
+            if not os.path.exists(path):
+                raise UserError(f"weights file {path} does not exist")
+            try:
+                self._open[path] = h5py.File(path, "r")
+            except OSError as e:
+                raise UserError(f"{path} is truncated or not an HDF5 weights file ({e}); "
+                                "copy or download it again") from None
+        return self._open[path]
+
+    def _file_for(self, role: str, key: str) -> tuple[h5py.File, str]:
+        src = self._files.get(role)
+        if src is None:
+            raise UserError(f"the preset has no {role}.weights.h5, needed for {key}")
+        if src.endswith(".json"):  # sharded: {"weight_map": {"/layers/…/vars": "model_00000.weights.h5"}}
+            with open(src) as f:
+                weight_map = json.load(f)["weight_map"]
+            group = "/" + key.rsplit("/", 1)[0]
+            shard = weight_map.get(group)
+            if shard is None:
+                raise UserError(f"{src} lists no shard for {group}; the index is incomplete")
+            shards = shard if isinstance(shard, list) else [shard]
+            for s in shards:
+                h5 = self._h5(os.path.join(os.path.dirname(src), s))
+                if key in h5:
+                    return h5, key
+            raise UserError(f"{key} is in none of its shards {shards}")
+        h5 = self._h5(src)
+        if role not in self._prefix:
+            self._prefix[role] = _find_prefix(h5, key)
+        return h5, self._prefix[role] + key
+
+    def get(self, key: str) -> np.ndarray:
+        role = "model"
+        if key.startswith(TASK_PREFIX):
+            role, key = "task", key[len(TASK_PREFIX):]
+        h5, full = self._file_for(role, key)
+        if full not in h5:
+            raise UserError(f"{h5.filename} has no weight {full}; is it a weights file for this model?")
+        ds = h5[full]
+        try:
+            data = ds[()]
+        except OSError as e:
+            raise UserError(f"cannot read {full} from {h5.filename} (truncated file? {e})") from None
+        if ds.dtype.kind == "V" or ds.attrs.get("dtype") == "bfloat16":
+            data = np.asarray(data).view(np.uint16).view(ml_dtypes.bfloat16)
+        return np.asarray(data)
+
+
+def _find_prefix(h5: h5py.File, key: str) -> str:
+    """'' for backbone files; 'layers/<backbone>/' for task-level `save_weights` files."""
+    if key in h5:
+        return ""
+    for name in h5.get("layers", {}):
+        if f"layers/{name}/{key}" in h5:
+            return f"layers/{name}/"
+    return ""  # let the caller report the missing weight
+
+
+def weight_files(preset_dir: str, weights: str | None = None) -> dict[str, str]:
+    """The H5 sources of a preset; `weights` (a .weights.h5 from `save_weights`) overrides the model's."""
+    files = {}
+    for role in ("model", "task"):
+        for ext in (".weights.h5", ".weights.json"):
+            p = os.path.join(preset_dir, role + ext)
+            if os.path.exists(p):
+                files[role] = p
+                break
+    if weights is not None:
+        if not os.path.exists(weights):
+            raise UserError(f"weights file {weights} does not exist")
+        files["model"] = weights
+        files.setdefault("task", weights)
+    if "model" not in files:
+        raise UserError(f"{preset_dir} has no model.weights.h5 or model.weights.json; "
+                        "is it a complete Keras preset?")
+    return files
+
+
+def read_params(family, config, files: dict[str, str], abstract: dict,
+                placement: Callable[[str, tuple], jax.sharding.Sharding] | None = None) -> dict:
+    """Stream weights into a nested dict shaped like `abstract` ({path: ShapeDtypeStruct})."""
+    paths = family.keras_paths(config)
+    missing = sorted(set(abstract) - set(paths))
+    if missing:
+        raise RuntimeError(f"no Keras name for parameters {missing[:3]}…")  # a bug in the family
+    flat = {}
+    with H5Store(files) as store:
+        for path, spec in abstract.items():
+            arr = store.get(paths[path])
+            if arr.shape != tuple(spec.shape):
+                raise UserError(f"weight {path} has shape {arr.shape} in the file but the config says "
+                                f"{tuple(spec.shape)}; the weights do not belong to this config.json")
+            arr = arr.astype(spec.dtype, copy=False)
+            flat[path] = jax.device_put(arr, placement(path, arr.shape)) if placement else jax.device_put(arr)
+            del arr
+    return unflatten(flat)
+
+
+def write_preset(family, config, params: dict, out_dir: str, tokenizer=None) -> None:
+    """Write a Keras preset folder that `keras_hub.models.*.from_preset(out_dir)` loads."""
+    os.makedirs(out_dir, exist_ok=True)
+    flat = flatten(params)
+    paths = family.keras_paths(config)
+    by_role: dict[str, dict[str, str]] = {}
+    for ours, theirs in paths.items():
+        role = "task" if theirs.startswith(TASK_PREFIX) else "model"
+        by_role.setdefault(role, {})[theirs.removeprefix(TASK_PREFIX)] = ours
+    for role, entries in by_role.items():
+        tmp = os.path.join(out_dir, f".{role}.weights.h5.tmp")
+        with h5py.File(tmp, "w") as h5:
+            h5.create_group("vars")
+            for key, ours in entries.items():
+                arr = np.asarray(jax.device_get(flat[ours]))
+                group = h5.require_group(key.rsplit("/", 1)[0])
+                group.attrs["name"] = ours.split("/")[-2]
+                if arr.dtype == ml_dtypes.bfloat16:  # Keras' own encoding of bfloat16
+                    ds = group.create_dataset(key.rsplit("/", 1)[1], data=arr.view(np.uint16).view("V2"))
+                    ds.attrs["dtype"] = "bfloat16"
+                else:
+                    group.create_dataset(key.rsplit("/", 1)[1], data=arr)
+        os.replace(tmp, os.path.join(out_dir, f"{role}.weights.h5"))
+    _write_json(os.path.join(out_dir, "config.json"), family.config_to_keras(config))
+    count = sum(int(np.prod(np.shape(v))) for v in flat.values())
+    _write_json(os.path.join(out_dir, "metadata.json"), {
+        "keras_version": "3", "keras_hub_version": "0", "parameter_count": count,
+        "date_saved": datetime.datetime.now().strftime("%Y-%m-%d@%H:%M:%S"),
+        "tasks": list(family.keras_tasks), "exported_by": "jaxlm"})
+    if tokenizer is not None:
+        tokenizer.save_keras_assets(out_dir)
+
+
+def _write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=4)

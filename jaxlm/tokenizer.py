@@ -1,0 +1,143 @@
+"""SentencePiece tokenizer with an explicit BOS policy.
+
+Gemma silently produces garbage when the leading `<bos>` is missing, so `encode` adds it by
+default (the model's policy, `add_bos`) and leaving it out takes an explicit `bos=False`.
+Special ids come from the model file itself (Gemma: pad 0, eos 1, bos 2).
+
+`default_tokenizer()` builds a small Gemma-layout vocabulary from `pydoc_data.topics` (ships
+with CPython), so the offline default model and the tests need no download.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+
+import sentencepiece as spm
+
+from jaxlm.errors import UserError
+
+SPM_ASSET = os.path.join("assets", "tokenizer", "vocabulary.spm")
+
+
+class Tokenizer:
+    def __init__(self, proto: bytes, *, add_bos: bool = True):
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.LoadFromSerializedProto(proto)
+        except Exception as e:  # sentencepiece raises RuntimeError/OSError variants
+            raise UserError(f"not a sentencepiece model ({e})") from None
+        self.proto = proto
+        self.add_bos = add_bos
+        self.bos_id = self.sp.bos_id()
+        self.eos_id = self.sp.eos_id()
+        self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.sp.piece_to_id("<pad>")
+        self.special_ids = frozenset(i for i in (self.pad_id, self.eos_id, self.bos_id) if i >= 0)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, text: str, *, bos: bool | None = None, eos: bool = False) -> list[int]:
+        """text -> ids; BOS first unless `bos=False` (default: the model's policy)."""
+        ids = self.sp.encode(text)
+        if self.add_bos if bos is None else bos:
+            ids = [self.bos_id] + ids
+        return ids + [self.eos_id] if eos else ids
+
+    def decode(self, ids) -> str:
+        """ids -> text, dropping pad/eos/bos (as KerasHub's generate_postprocess)."""
+        return self.sp.decode([int(i) for i in ids if int(i) not in self.special_ids])
+
+    def save(self, directory: str) -> None:
+        """Write `vocabulary.spm` into `directory` (a jaxlm folder's tokenizer/)."""
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "vocabulary.spm"), "wb") as f:
+            f.write(self.proto)
+
+    def save_keras_assets(self, preset_dir: str) -> None:
+        """tokenizer.json + assets/tokenizer/vocabulary.spm, as KerasHub's GemmaTokenizer saves."""
+        self.save(os.path.join(preset_dir, "assets", "tokenizer"))
+        config = {"module": "keras_hub.src.models.gemma.gemma_tokenizer", "class_name": "GemmaTokenizer",
+                  "config": {"name": "gemma_tokenizer", "trainable": True,
+                             "dtype": {"module": "keras", "class_name": "DTypePolicy",
+                                       "config": {"name": "int32"}, "registered_name": None},
+                             "config_file": "tokenizer.json", "proto": None, "sequence_length": None,
+                             "add_bos": False, "add_eos": False},
+                  "registered_name": "keras_hub>GemmaTokenizer"}
+        with open(os.path.join(preset_dir, "tokenizer.json"), "w") as f:
+            json.dump(config, f, indent=4)
+
+
+def load_tokenizer(path: str):
+    """A tokenizer from a Keras preset, a jaxlm folder, a `.spm`/`.model` file or a built-in preset name."""
+    from jaxlm import families
+    if not os.path.exists(path):
+        if families.preset(path) is not None:
+            fam, cfg = families.preset(path)
+            return default_tokenizer(cfg.vocab_size)
+        raise UserError(f"tokenizer path {path} does not exist")
+    if os.path.isdir(path):
+        for rel in (SPM_ASSET, os.path.join("tokenizer", "vocabulary.spm")):
+            if os.path.exists(os.path.join(path, rel)):
+                return load_tokenizer(os.path.join(path, rel))
+        bpe = _maybe_bpe(path)
+        if bpe is not None:
+            return bpe
+        raise UserError(f"{path} holds no tokenizer (expected {SPM_ASSET} or tokenizer/vocabulary.spm)")
+    with open(path, "rb") as f:
+        return Tokenizer(f.read())
+
+
+def _maybe_bpe(path: str):
+    """RoBERTa's byte-level BPE (vocabulary.json + merges.txt), when that family is installed."""
+    try:
+        from jaxlm.bpe import load_bpe
+    except ImportError:
+        return None
+    return load_bpe(path)
+
+
+def default_tokenizer(vocab_size: int = 4096) -> Tokenizer:
+    """A Gemma-layout (pad 0, eos 1, bos 2, unk 3) Unigram vocabulary trained on pydoc_data.topics.
+
+    Deterministic, trained once and cached under ~/.cache/jaxlm (a few seconds on a laptop).
+    """
+    text = _pydoc_corpus()
+    digest = hashlib.sha1(f"{vocab_size}:{len(text)}".encode()).hexdigest()[:10]
+    cache = os.path.join(os.environ.get("JAXLM_CACHE", os.path.expanduser("~/.cache/jaxlm")),
+                         f"tokenizer-{vocab_size}-{digest}.spm")
+    if not os.path.exists(cache):
+        proto = train_gemma_layout(text.splitlines(), vocab_size)
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        tmp = cache + f".{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(proto)
+        os.replace(tmp, cache)  # atomic: concurrent test workers never read half a file
+    with open(cache, "rb") as f:
+        return Tokenizer(f.read())
+
+
+def train_gemma_layout(lines: list[str], vocab_size: int) -> bytes:
+    """Train a sentencepiece model with Gemma's special ids; returns the serialized proto."""
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([l for l in lines if l.strip()]), model_writer=out,
+        vocab_size=vocab_size, model_type="unigram", pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+        byte_fallback=True, character_coverage=1.0, num_threads=1, minloglevel=2,
+        train_extremely_large_corpus=False, shuffle_input_sentence=False)
+    return out.getvalue()
+
+
+def _pydoc_corpus() -> str:
+    from pydoc_data import topics
+    return "\n".join(topics.topics[k] for k in sorted(topics.topics))
+
+
+def copy_tokenizer_files(src_dir: str, dst_dir: str) -> None:
+    """Copy a preset's assets/tokenizer/ tree as-is (used by conversion)."""
+    src = os.path.join(src_dir, "assets", "tokenizer")
+    if os.path.isdir(src):
+        shutil.copytree(src, dst_dir, dirs_exist_ok=True)

@@ -1,0 +1,220 @@
+"""Gemma (v1) decoder in Flax Linen, numerically matching KerasHub's `GemmaBackbone`.
+
+Parameter paths mirror KerasHub's `variable.path` so the layout map and LoRA targets read the
+same in both worlds::
+
+    token_embedding/embeddings                          [V, H]
+    decoder_block_{i}/pre_attention_norm/scale          [H]
+    decoder_block_{i}/attention/query/kernel            [N, H, D]
+    decoder_block_{i}/attention/key/kernel              [K, H, D]
+    decoder_block_{i}/attention/value/kernel            [K, H, D]
+    decoder_block_{i}/attention/attention_output/kernel [N, D, H]
+    decoder_block_{i}/pre_ffw_norm/scale                [H]
+    decoder_block_{i}/ffw_gating/kernel                 [H, F]   (tanh-GELU branch)
+    decoder_block_{i}/ffw_gating_2/kernel               [H, F]   (linear branch)
+    decoder_block_{i}/ffw_linear/kernel                 [F, H]
+    final_normalization/scale                           [H]
+
+Shapes: B batch, T query length, S key length, V vocabulary, H hidden, N query heads,
+K key/value heads, G = N // K queries per KV head, D head dim, F FFN width.
+
+The config already names the Gemma 2/3 switches (post norms, soft-caps, sliding window,
+QK-norm) so presets and converters have one place to put them; the module refuses them until
+they are implemented rather than silently ignoring them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from models import layers
+
+Cache = dict  # {"decoder_block_{i}": {"k": [B, S, K, D], "v": [B, S, K, D]}}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GemmaConfig:
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    hidden_dim: int
+    ffw_dim: int  # the real FFN width (KerasHub's `intermediate_dim` is twice this for Gemma 1/2)
+    head_dim: int
+    norm_eps: float = 1e-6
+    rope_base: float = 10_000.0
+    dtype: str = "float32"  # parameters and compute; norms and softmax always run in float32
+    # Gemma 2/3 switches: named now, implemented later (the module rejects them today).
+    use_post_attention_norm: bool = False
+    use_post_ffw_norm: bool = False
+    attention_logit_soft_cap: float | None = None
+    final_logit_soft_cap: float | None = None
+    sliding_window_size: int | None = None
+    use_query_key_norm: bool = False
+
+    family = "gemma"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    def replace(self, **changes) -> "GemmaConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def num_params(self) -> int:
+        """Closed-form count (KerasHub's formula); tests check it against `jax.eval_shape`."""
+        v, h, n, k, d, f, l = (self.vocab_size, self.hidden_dim, self.num_heads,
+                               self.num_kv_heads, self.head_dim, self.ffw_dim, self.num_layers)
+        return v * h + l * (2 * n * h * d + 2 * k * h * d + 3 * h * f + 2 * h) + h
+
+
+PRESETS: dict[str, GemmaConfig] = {
+    "gemma_2b_en": GemmaConfig(vocab_size=256_000, num_layers=18, num_heads=8, num_kv_heads=1,
+                               hidden_dim=2048, ffw_dim=16_384, head_dim=256),
+    "gemma_7b_en": GemmaConfig(vocab_size=256_000, num_layers=28, num_heads=16, num_kv_heads=16,
+                               hidden_dim=3072, ffw_dim=24_576, head_dim=256),
+    # Small enough to train on a laptop CPU in minutes; the offline default and test fixture.
+    "gemma_tiny": GemmaConfig(vocab_size=4096, num_layers=2, num_heads=4, num_kv_heads=1,
+                              hidden_dim=128, ffw_dim=256, head_dim=32),
+}
+PRESETS["gemma_instruct_2b_en"] = PRESETS["gemma_2b_en"]
+PRESETS["gemma_instruct_7b_en"] = PRESETS["gemma_7b_en"]
+
+
+class Attention(nn.Module):
+    config: GemmaConfig
+
+    @nn.compact
+    def __call__(self, x, positions, mask, cache=None, cache_index=None):
+        """x [B, T, H], positions [B, T], mask [B, T, S] -> ([B, T, H], new cache or None).
+
+        With a cache ({"k", "v": [B, S, K, D]}), the new keys/values are written at
+        `cache_index` (scalar) and attention runs over all S cached slots.
+        """
+        cfg = self.config
+        dtype = jnp.dtype(cfg.dtype)
+        n, k, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim
+        q = layers.Einsum((n, h, d), dtype, name="query")("BTH,NHD->BTND", x)
+        key = layers.Einsum((k, h, d), dtype, name="key")("BSH,KHD->BSKD", x)
+        value = layers.Einsum((k, h, d), dtype, name="value")("BSH,KHD->BSKD", x)
+
+        q = layers.rope(q, positions, cfg.rope_base)
+        key = layers.rope(key, positions, cfg.rope_base)
+        q = q * jnp.asarray(1.0 / math.sqrt(d), q.dtype)
+
+        if cache is not None:
+            key = jax.lax.dynamic_update_slice_in_dim(cache["k"], key.astype(cache["k"].dtype),
+                                                      cache_index, axis=1)
+            value = jax.lax.dynamic_update_slice_in_dim(cache["v"], value.astype(cache["v"].dtype),
+                                                        cache_index, axis=1)
+            cache = {"k": key, "v": value}
+
+        out = layers.grouped_attention(q, key, value, mask)  # [B, T, N, D]
+        out = layers.Einsum((n, d, h), dtype, name="attention_output")("BTND,NDH->BTH", out)
+        return out, cache
+
+
+def feed_forward(cfg: GemmaConfig, x):
+    """GeGLU: ffw_linear(gelu_tanh(x @ ffw_gating) * (x @ ffw_gating_2)), x [B, T, H].
+
+    A function, not a module, so its kernels sit directly under `decoder_block_{i}/` as in KerasHub.
+    Call it inside a compact method: the layers bind to the calling module.
+    """
+    dtype = jnp.dtype(cfg.dtype)
+    gate = layers.Einsum((cfg.hidden_dim, cfg.ffw_dim), dtype, name="ffw_gating")("BTH,HF->BTF", x)
+    up = layers.Einsum((cfg.hidden_dim, cfg.ffw_dim), dtype, name="ffw_gating_2")("BTH,HF->BTF", x)
+    hidden = jax.nn.gelu(gate, approximate=True) * up
+    return layers.Einsum((cfg.ffw_dim, cfg.hidden_dim), dtype, name="ffw_linear")("BTF,FH->BTH", hidden)
+
+
+class DecoderBlock(nn.Module):
+    config: GemmaConfig
+
+    @nn.compact
+    def __call__(self, x, positions, mask, cache=None, cache_index=None):
+        cfg = self.config
+        normed = layers.RMSNorm(cfg.norm_eps, name="pre_attention_norm")(x)
+        attn, cache = Attention(cfg, name="attention")(normed, positions, mask, cache, cache_index)
+        x = x + attn
+        normed = layers.RMSNorm(cfg.norm_eps, name="pre_ffw_norm")(x)
+        x = x + feed_forward(cfg, normed)
+        return x, cache
+
+
+class Gemma(nn.Module):
+    """Gemma causal LM.
+
+    `apply({"params": p}, token_ids [B, T], padding_mask [B, T])` -> logits [B, T, V].
+
+    Keyword options:
+      return_hidden: return the final-normed hidden states [B, T, H] instead of logits (the
+        training loss projects them onto the vocabulary in chunks).
+      cache, cache_index: decode with a KV cache (see `init_cache`); then `padding_mask` is the
+        key mask over the cache slots [B, S] and the result is `(logits, new_cache)`.
+    """
+    config: GemmaConfig
+
+    def setup(self):
+        cfg = self.config
+        unsupported = [f for f in ("use_post_attention_norm", "use_post_ffw_norm",
+                                   "attention_logit_soft_cap", "final_logit_soft_cap",
+                                   "sliding_window_size", "use_query_key_norm")
+                       if getattr(cfg, f)]
+        if unsupported:
+            raise NotImplementedError(f"Gemma 2/3 features are not implemented yet: {unsupported}")
+        self.token_embedding = layers.Embedding(cfg.vocab_size, cfg.hidden_dim,
+                                                jnp.dtype(cfg.dtype), name="token_embedding")
+        # Explicit names keep KerasHub's `decoder_block_{i}` paths.
+        self.blocks = [DecoderBlock(cfg, name=f"decoder_block_{i}") for i in range(cfg.num_layers)]
+        self.final_normalization = layers.RMSNorm(cfg.norm_eps, name="final_normalization")
+
+    def __call__(self, token_ids, padding_mask=None, *, return_hidden=False,
+                 cache: Cache | None = None, cache_index=None):
+        cfg = self.config
+        dtype = jnp.dtype(cfg.dtype)
+        b, t = token_ids.shape
+        if padding_mask is None:
+            padding_mask = jnp.ones((b, t) if cache is None else (b, cache_size(cache)), bool)
+        padding_mask = padding_mask.astype(bool)
+
+        x = self.token_embedding(token_ids)
+        x = x * jnp.asarray(math.sqrt(cfg.hidden_dim), dtype)  # the scale is rounded to dtype, as KerasHub
+
+        start = 0 if cache is None else cache_index
+        positions = start + jnp.arange(t)[None, :]
+        key_positions = jnp.arange(t if cache is None else cache_size(cache))
+        # Causal AND key padding; padded queries are left unmasked (as KerasHub) and ignored by the loss.
+        mask = (positions[:, :, None] >= key_positions[None, None, :]) & padding_mask[:, None, :]
+        positions = jnp.broadcast_to(positions, (b, t))
+
+        new_cache = {} if cache is not None else None
+        for i, block in enumerate(self.blocks):
+            layer_cache = None if cache is None else cache[f"decoder_block_{i}"]
+            x, layer_cache = block(x, positions, mask, layer_cache, cache_index)
+            if cache is not None:
+                new_cache[f"decoder_block_{i}"] = layer_cache
+        x = self.final_normalization(x)
+        out = x if return_hidden else self.token_embedding.attend(x)
+        return out if cache is None else (out, new_cache)
+
+
+def cache_size(cache: Cache) -> int:
+    return next(iter(cache.values()))["k"].shape[1]
+
+
+def init_cache(config: GemmaConfig, batch_size: int, length: int, dtype=None) -> Cache:
+    """Zeroed KV cache: per layer {"k", "v": [B, length, K, D]} in the compute dtype."""
+    shape = (batch_size, length, config.num_kv_heads, config.head_dim)
+    dtype = jnp.dtype(dtype or config.dtype)
+    return {f"decoder_block_{i}": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+            for i in range(config.num_layers)}

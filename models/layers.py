@@ -1,0 +1,92 @@
+"""Layers shared by the hand-written models: einsum projections, norms, RoPE, attention.
+
+Numerics follow KerasHub (see shared/reference/keras_gemma_roberta.md §9): norms and softmax
+in float32, everything else in the module's compute dtype.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+# Keras' glorot_uniform for EinsumDense kernels: fans from the last two axes is close enough for a
+# random init; parity only matters for loaded weights.
+kernel_init = nn.initializers.xavier_uniform()
+
+
+class Einsum(nn.Module):
+    """A bias-free projection `einsum(eq, x, kernel)`, kernel of `shape`, computed in `dtype`."""
+    shape: tuple[int, ...]
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, eq: str, x):
+        kernel = self.param("kernel", kernel_init, self.shape, self.dtype)
+        return jnp.einsum(eq, x.astype(self.dtype), kernel.astype(self.dtype))
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * (1 + scale), in float32, cast back to x.dtype."""
+    eps: float = 1e-6
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.zeros_init(), (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+
+
+class Embedding(nn.Module):
+    """Token embedding [V, H] whose transpose is the (tied) output projection."""
+    vocab_size: int
+    dim: int
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        # Keras VarianceScaling(1, fan_in, normal) on a (V, H) table: std = 1/sqrt(V).
+        init = nn.initializers.normal(stddev=self.vocab_size ** -0.5)
+        self.embeddings = self.param("embeddings", init, (self.vocab_size, self.dim), self.dtype)
+
+    def __call__(self, ids):
+        """ids [B, T] -> [B, T, H]."""
+        return jnp.take(self.embeddings, ids, axis=0).astype(self.dtype)
+
+    def attend(self, x):
+        """x [B, T, H] -> logits [B, T, V]."""
+        return jnp.einsum("BTH,VH->BTV", x.astype(self.dtype), self.embeddings.astype(self.dtype))
+
+
+def rope(x, positions, base: float):
+    """Half-split rotary embedding. x [B, T, N, D], positions [B, T] -> [B, T, N, D].
+
+    inv_freq[i] = base^(-2i/D); out = x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1].
+    Angles in float32; cos/sin cast to x.dtype before the multiply (as KerasHub).
+    """
+    d = x.shape[-1]
+    inv_freq = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(ang)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(ang)[:, :, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def grouped_attention(q, k, v, mask, soft_cap: float | None = None):
+    """Multi/grouped/multi-query attention. Query head n reads KV head n // G.
+
+    q [B, T, N, D] (already scaled), k/v [B, S, K, D], mask [B, T, S] (True = attend)
+    -> [B, T, N, D]. Softmax in float32 with masked probabilities exactly 0, so a query with no
+    visible key gets a zero output (KerasHub's "wipe").
+    """
+    b, t, n, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, n // kv, d)
+    logits = jnp.einsum("BTKGD,BSKD->BKGTS", q, k.astype(q.dtype)).astype(jnp.float32)
+    if soft_cap is not None:
+        logits = jnp.tanh(logits / soft_cap) * soft_cap
+    m = mask[:, None, None, :, :]
+    probs = jax.nn.softmax(jnp.where(m, logits, -1e9), axis=-1)
+    probs = jnp.where(m, probs, 0.0).astype(q.dtype)
+    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v.astype(q.dtype))
+    return out.reshape(b, t, n, d)
