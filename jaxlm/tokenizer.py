@@ -126,8 +126,9 @@ def train_gemma_layout(lines: list[str], vocab_size: int) -> bytes:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter([l for l in lines if l.strip()]), model_writer=out,
         vocab_size=vocab_size, model_type="unigram", pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+        pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
         byte_fallback=True, character_coverage=1.0, num_threads=1, minloglevel=2,
-        train_extremely_large_corpus=False, shuffle_input_sentence=False)
+        shuffle_input_sentence=False)
     return out.getvalue()
 
 
