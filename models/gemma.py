@@ -49,6 +49,7 @@ class GemmaConfig:
     norm_eps: float = 1e-6
     rope_base: float = 10_000.0
     dtype: str = "float32"  # parameters and compute; norms and softmax always run in float32
+    remat: bool = False  # recompute each block's activations in the backward pass (saves memory)
     # Gemma 2/3 switches: named now, implemented later (the module rejects them today).
     use_post_attention_norm: bool = False
     use_post_ffw_norm: bool = False
@@ -175,7 +176,8 @@ class Gemma(nn.Module):
         self.token_embedding = layers.Embedding(cfg.vocab_size, cfg.hidden_dim,
                                                 jnp.dtype(cfg.dtype), name="token_embedding")
         # Explicit names keep KerasHub's `decoder_block_{i}` paths.
-        self.blocks = [DecoderBlock(cfg, name=f"decoder_block_{i}") for i in range(cfg.num_layers)]
+        block = nn.remat(DecoderBlock, static_argnums=(5,)) if cfg.remat else DecoderBlock
+        self.blocks = [block(cfg, name=f"decoder_block_{i}") for i in range(cfg.num_layers)]
         self.final_normalization = layers.RMSNorm(cfg.norm_eps, name="final_normalization")
 
     def __call__(self, token_ids, padding_mask=None, *, return_hidden=False,
