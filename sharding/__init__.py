@@ -1,0 +1,18 @@
+"""Device meshes and regex -> PartitionSpec layout rules (imports neither jaxlm nor models).
+
+    mesh = sharding.make_mesh("1x8")                       # axes ("batch", "model")
+    rules = sharding.rules_for(model.config, layout=None)  # [(regex, PartitionSpec)]
+    specs = sharding.partition_specs(params, rules, mesh)  # tree of PartitionSpec
+    model, params = jaxlm.load(path, placement=sharding.placement(mesh, rules))
+    print(sharding.format_sharding(params))
+
+Bad input raises a plain ValueError with one line naming the problem and the fix.
+"""
+from sharding.mesh import AXES, batch_sharding, make_mesh, parse_mesh
+from sharding.rules import DEFAULT_LAYOUT, TABLES, rules_for
+from sharding.specs import (adapter_specs, format_sharding, named_shardings, partition_specs,
+                            placement)
+
+__all__ = ["AXES", "make_mesh", "parse_mesh", "batch_sharding", "rules_for", "TABLES",
+           "DEFAULT_LAYOUT", "partition_specs", "adapter_specs", "named_shardings", "placement",
+           "format_sharding"]

@@ -1,0 +1,82 @@
+"""Layout tables: ordered `[(regex, PartitionSpec)]` over parameter paths.
+
+The first rule whose regex `re.fullmatch`es the path wins (keras >= 3.14 `LayoutMap` uses
+fullmatch too, so KerasHub's patterns mean the same here); the final `(".*", P())` replicates
+everything else. Entry i of a spec names the mesh axis that splits tensor dim i; None keeps the
+dim whole; `P()` replicates a tensor of any rank.
+
+Gemma, mesh axes ("batch", "model"):
+  "seed"  the seed article's map (model axis only). It splits the hidden dim of q/k/v, so it
+          also shards Gemma 2B's single KV head. The seed's patterns end in `.*kernel`; here
+          they end in `/kernel`, which selects the same parameters (LoRA factors live in their
+          own tree, see `adapter_specs`).
+  "keras" `GemmaBackbone.get_layout_map` of keras-hub 0.32, patterns verbatim.
+RoBERTa:
+  "data"  everything replicated; only the batch is split (DataParallel). The default: a
+          125M-parameter encoder fits every chip.
+  "model" Megatron-style: heads of q/k/v and the attention output, the FFN width, and the
+          hidden dim of the embeddings over `model`.
+"""
+from __future__ import annotations
+
+from jax.sharding import PartitionSpec as P
+
+Rules = list  # [(regex, PartitionSpec)]
+
+REPLICATE = (".*", P())
+
+GEMMA_SEED = [
+    ("token_embedding/embeddings", P(None, "model")),                          # [V, H]
+    ("decoder_block.*attention/(query|key|value)/kernel", P(None, "model", None)),  # [N|K, H, D]
+    ("decoder_block.*attention_output/kernel", P(None, None, "model")),        # [N, D, H]
+    ("decoder_block.*ffw_gating(_2)?/kernel", P("model", None)),               # [H, F]
+    ("decoder_block.*ffw_linear/kernel", P(None, "model")),                    # [F, H]
+    REPLICATE,
+]
+
+GEMMA_KERAS = [
+    ("token_embedding/embeddings", P("model", "batch")),
+    ("decoder_block.*attention.*(query|key|value).kernel", P("model", "batch", None)),
+    ("decoder_block.*attention_output.kernel", P("model", None, "batch")),
+    ("decoder_block.*ffw_gating.kernel", P("batch", "model")),
+    ("decoder_block.*ffw_gating_2.kernel", P("batch", "model")),
+    ("decoder_block.*ffw_linear.kernel", P("model", "batch")),
+    REPLICATE,
+]
+
+ROBERTA_DATA = [REPLICATE]
+
+_ATTN = "transformer_layer_\\d+/self_attention_layer"
+ROBERTA_MODEL = [
+    ("embeddings/(token|position)_embedding/embeddings", P(None, "model")),    # [V|S, H]
+    (f"{_ATTN}/(query|key|value)/kernel", P(None, "model", None)),            # [H, heads, dk]
+    (f"{_ATTN}/(query|key|value)/bias", P("model", None)),                    # [heads, dk]
+    (f"{_ATTN}/attention_output/kernel", P("model", None, None)),             # [heads, dk, H]
+    ("transformer_layer_\\d+/feedforward_intermediate_dense/kernel", P(None, "model")),  # [H, I]
+    ("transformer_layer_\\d+/feedforward_intermediate_dense/bias", P("model")),          # [I]
+    ("transformer_layer_\\d+/feedforward_output_dense/kernel", P("model", None)),        # [I, H]
+    REPLICATE,
+]
+
+TABLES = {
+    "gemma": {"seed": GEMMA_SEED, "keras": GEMMA_KERAS},
+    "roberta": {"data": ROBERTA_DATA, "model": ROBERTA_MODEL},
+}
+DEFAULT_LAYOUT = {"gemma": "seed", "roberta": "data"}
+
+
+def rules_for(config, layout: str | None = None) -> Rules:
+    """The rule table for a model config (dispatch on `config.family`).
+
+    layout: a table name of that family; None -> the family default ("seed" for Gemma,
+    "data" for RoBERTa).
+    """
+    family = getattr(config, "family", None)
+    if family not in TABLES:
+        raise ValueError(f"no layout tables for model family {family!r}; "
+                         f"known families: {', '.join(TABLES)}")
+    layout = DEFAULT_LAYOUT[family] if layout is None else layout
+    if layout not in TABLES[family]:
+        raise ValueError(f"unknown layout {layout!r} for {family}; "
+                         f"choose one of: {', '.join(TABLES[family])}")
+    return list(TABLES[family][layout])
