@@ -1,0 +1,91 @@
+"""Causal-LM loss with KerasHub's preprocessing semantics, computed without full logits.
+
+KerasHub's `GemmaCausalLMPreprocessor` packs BOS + text + EOS to `sequence_length + 1` and trains
+on `inputs = ids[:, :-1]`, `targets = ids[:, 1:]`, `weights = mask[:, 1:]` (padding weighted 0).
+We keep those semantics but normalise by the number of unmasked targets (Keras' default
+"sum_over_batch_size" divides by B*T, which makes the loss depend on the padding amount).
+
+Gemma's 256k-vocabulary logits in float32 are 1 GiB per 1k tokens, so the loss projects the
+final hidden states onto the tied embedding one sequence chunk at a time; each chunk is
+rematerialised in the backward pass, so at most one [B, C, V] block is alive at once.
+
+Losses here return SUMS plus the token count; callers divide by the total count, which is what
+makes gradient accumulation exact (see jaxlm/train/step.py).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Metrics = dict  # {"loss_sum", "correct", "count"}: float32 scalars, summed over tokens
+
+
+def shift(token_ids, padding_mask):
+    """Packed ids/mask [B, T+1] -> (inputs [B, T], input_mask [B, T], targets [B, T], weights [B, T])."""
+    return token_ids[:, :-1], padding_mask[:, :-1], token_ids[:, 1:], padding_mask[:, 1:]
+
+
+def chunked_cross_entropy(hidden, embeddings, targets, weights, *, chunk_size: int = 128) -> Metrics:
+    """Sum of weighted CE (and argmax hits) of `hidden @ embeddings.T` against `targets`.
+
+    hidden [B, T, H] (compute dtype), embeddings [V, H], targets int [B, T], weights [B, T].
+    The projection runs in the compute dtype (as KerasHub's `ReversibleEmbedding`); logsumexp and
+    the target logit are taken in float32, per chunk of `chunk_size` positions.
+    """
+    b, t, h = hidden.shape
+    c = max(1, min(chunk_size, t))
+    pad = (-t) % c
+    weights = weights.astype(jnp.float32)
+    if pad:  # padded positions carry weight 0
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+        weights = jnp.pad(weights, ((0, 0), (0, pad)))
+    n = (t + pad) // c
+    # [n, B, C, ...]: scan over sequence chunks.
+    to_chunks = lambda x: jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)  # noqa: E731
+    emb = embeddings.astype(hidden.dtype)
+
+    @jax.checkpoint  # keep only hidden chunks as residuals, never the [B, C, V] logits
+    def chunk(h_c, y_c, w_c):
+        logits = jnp.einsum("BCH,VH->BCV", h_c, emb).astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target_logit = jnp.take_along_axis(logits, y_c[..., None], axis=-1)[..., 0]
+        ce = (lse - target_logit) * w_c
+        hit = (jnp.argmax(logits, axis=-1) == y_c).astype(jnp.float32) * w_c
+        return ce.sum(), hit.sum()
+
+    def body(carry, xs):
+        ce, hit = chunk(*xs)
+        return (carry[0] + ce, carry[1] + hit), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (loss_sum, correct), _ = jax.lax.scan(body, (zero, zero),
+                                          (to_chunks(hidden), to_chunks(targets), to_chunks(weights)))
+    return {"loss_sum": loss_sum, "correct": correct, "count": weights.sum()}
+
+
+def naive_cross_entropy(logits, targets, weights) -> Metrics:
+    """Reference: the same sums from full logits [B, T, V] (tests; small vocabularies)."""
+    logits = logits.astype(jnp.float32)
+    weights = weights.astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    ce = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    hit = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    return {"loss_sum": (ce * weights).sum(), "correct": (hit * weights).sum(), "count": weights.sum()}
+
+
+def lm_loss_fn(model, *, chunk_size: int = 128):
+    """-> loss_fn(params, batch, rng) -> (loss_sum, metrics) for `jaxlm.train.step`.
+
+    batch: {"token_ids": int32 [B, T+1], "padding_mask": bool [B, T+1]} packed as KerasHub does
+    (BOS + text + EOS, right-padded). The model is applied with `return_hidden=True`; the tied
+    embedding `params["token_embedding"]["embeddings"]` projects onto the vocabulary.
+    """
+    def loss_fn(params, batch, rng):
+        del rng  # Gemma has no dropout; the argument keeps the signature shared with MLM
+        inputs, input_mask, targets, weights = shift(batch["token_ids"], batch["padding_mask"])
+        hidden = model.apply({"params": params}, inputs, input_mask, return_hidden=True)
+        m = chunked_cross_entropy(hidden, params["token_embedding"]["embeddings"], targets, weights,
+                                  chunk_size=chunk_size)
+        return m["loss_sum"], m
+    return loss_fn
