@@ -1,0 +1,69 @@
+"""Samplers: KerasHub's defaults and behaviour, seeded, and one-line errors."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlm import sampling
+from jaxlm.errors import UserError
+
+LOGITS = jnp.log(jnp.array([[0.05, 0.4, 0.3, 0.15, 0.1],
+                            [0.5, 0.02, 0.08, 0.1, 0.3]], jnp.float32))
+
+
+def draws(sampler, n=2000):
+    keys = jax.random.split(jax.random.key(0), n)
+    return np.asarray(jax.vmap(lambda k: sampler(LOGITS, k))(keys))  # [n, B]
+
+
+def test_names_resolve_to_kerashub_defaults():
+    assert sampling.resolve("greedy") == sampling.Greedy()
+    assert sampling.resolve("top_k") == sampling.TopK(k=5, temperature=1.0)
+    assert sampling.resolve("top_p") == sampling.TopP(p=0.1, k=None, temperature=1.0)
+    assert sampling.resolve("random") == sampling.resolve("temperature") == sampling.Random()
+    custom = sampling.TopK(k=2, temperature=0.5)
+    assert sampling.resolve(custom) is custom
+    hash(custom)  # keys the compiled decode function
+
+
+def test_unknown_sampler_is_one_line_naming_the_choices():
+    with pytest.raises(UserError) as e:
+        sampling.resolve("beam")
+    msg = str(e.value)
+    assert "'beam'" in msg and "\n" not in msg
+    assert all(name in msg for name in ("greedy", "top_k", "top_p", "random", "temperature"))
+    with pytest.raises(UserError):
+        sampling.TopK(k=0)
+    with pytest.raises(UserError):
+        sampling.TopP(p=0.0)
+
+
+def test_greedy_is_argmax():
+    assert sampling.Greedy()(LOGITS, None).tolist() == [1, 0]
+
+
+def test_random_follows_the_softmax_and_is_seeded():
+    freq = np.stack([np.bincount(d, minlength=5) for d in draws(sampling.Random()).T]) / 2000
+    np.testing.assert_allclose(freq, jax.nn.softmax(LOGITS), atol=0.04)
+    a = sampling.Random()(LOGITS, jax.random.key(3))
+    b = sampling.Random()(LOGITS, jax.random.key(3))
+    assert a.tolist() == b.tolist()
+    # Low temperature sharpens towards the argmax.
+    cold = draws(sampling.Random(temperature=0.01), 200)
+    assert (cold == np.array([1, 0])).all()
+
+
+def test_top_k_only_draws_the_k_most_likely():
+    d = draws(sampling.TopK(k=2))
+    assert set(d[:, 0]) == {1, 2} and set(d[:, 1]) == {0, 4}
+    # Renormalised over the top 2: 0.4 / 0.7 for token 1 in row 0.
+    assert abs((d[:, 0] == 1).mean() - 0.4 / 0.7) < 0.04
+
+
+def test_top_p_keeps_the_nucleus():
+    # p=0.1 keeps only the single most likely token (the one that crosses p).
+    assert (draws(sampling.TopP(), 200) == np.array([1, 0])).all()
+    d = draws(sampling.TopP(p=0.6))  # row 0: 0.4 then 0.3 crosses 0.6 -> {1, 2}
+    assert set(d[:, 0]) == {1, 2} and set(d[:, 1]) == {0, 4}
+    d = draws(sampling.TopP(p=1.0, k=3))
+    assert set(d[:, 0]) == {1, 2, 3}
