@@ -37,6 +37,11 @@ def keras_paths(cfg: GemmaConfig) -> dict[str, str]:
 
 def config_from_keras(c: dict) -> GemmaConfig:
     """GemmaBackbone constructor arguments -> GemmaConfig (missing keys take Keras' defaults)."""
+    gemma2 = [k for k in ("use_post_attention_norm", "use_post_ffw_norm", "attention_logit_soft_cap",
+                          "final_logit_soft_cap", "use_sliding_window_attention") if c.get(k)]
+    if gemma2:
+        raise UserError(f"this preset uses Gemma 2 features ({', '.join(gemma2)}) that jaxlm does not "
+                        "support yet; use a Gemma 1 preset")
     try:
         window = c.get("sliding_window_size", 4096) if c.get("use_sliding_window_attention") else None
         return GemmaConfig(
