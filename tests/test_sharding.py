@@ -1,0 +1,175 @@
+"""Meshes, layout tables and their checks, on 8 simulated CPU devices."""
+import logging
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxlm
+import sharding
+from jaxlm import lora
+from jaxlm.tree import flatten
+
+
+@pytest.mark.parametrize("spec,shape", [("1x8", (1, 8)), ("8x1", (8, 1)), ("2x4", (2, 4)),
+                                        ("auto", (1, 8)), ((4, 2), (4, 2))])
+def test_make_mesh(spec, shape):
+    mesh = sharding.make_mesh(spec)
+    assert mesh.axis_names == ("batch", "model")
+    assert (mesh.shape["batch"], mesh.shape["model"]) == shape
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("abc", "not of the form DxM"), ("1x8x1", "not of the form DxM"), ("0x8", "dimension < 1"),
+    ("-1x8", "dimension < 1"), ("3x3", "needs 9 devices but 8 are available.*XLA_FLAGS"),
+    ((1, 2, 4), "give two"), ("2x2", "needs 4 devices but 8"),
+])
+def test_make_mesh_errors_are_one_line(spec, message):
+    with pytest.raises(ValueError, match=message) as e:
+        sharding.make_mesh(spec)
+    assert "\n" not in str(e.value)
+
+
+def test_make_mesh_on_given_devices_and_batch_sharding():
+    mesh = sharding.make_mesh("2x2", devices=jax.devices()[:4])
+    assert mesh.devices.size == 4
+    s = sharding.batch_sharding(mesh)
+    x = jax.device_put(np.zeros((4, 6), np.int32), s)
+    assert {sh.data.shape for sh in x.addressable_shards} == {(2, 6)}
+
+
+def _tree(**shapes):
+    return {k: jax.ShapeDtypeStruct(v, np.float32) for k, v in shapes.items()}
+
+
+def test_first_match_wins_and_catch_all_replicates():
+    params = {"a": _tree(kernel=(8, 16), bias=(16,)), "b": _tree(kernel=(8, 16))}
+    rules = [("a/kernel", P("model", None)), (".*kernel", P(None, "model")), (".*", P())]
+    specs = sharding.partition_specs(params, rules)
+    assert specs == {"a": {"kernel": P("model", None), "bias": P()},
+                     "b": {"kernel": P(None, "model")}}
+
+
+@pytest.mark.parametrize("rules,message", [
+    ([("a/kernel", P("model", None))], "no layout rule matches 'a/bias'"),
+    ([("zzz", P("model")), (".*", P())], "'zzz' matches no parameter"),
+    ([("a/kernel", P("model")), (".*", P())], "rank 1.*rank 2"),
+    ([("a/kernel", P("nope", None)), (".*", P())], "mesh axis 'nope'"),
+    ([("a/kernel", P("model", "model")), (".*", P())], "twice"),
+    ([("(", P())], "not a valid regex"),
+])
+def test_rule_errors(rules, message):
+    params = {"a": _tree(kernel=(8, 16), bias=(16,))}
+    with pytest.raises(ValueError, match=message) as e:
+        sharding.partition_specs(params, rules, sharding.make_mesh("1x8"))
+    assert "\n" not in str(e.value)
+
+
+def test_non_dividing_dim_is_replicated_with_one_warning(caplog):
+    model, params = jaxlm.load("gemma_2b_en", abstract=True)
+    mesh = sharding.make_mesh("1x8")
+    with caplog.at_level(logging.WARNING, logger="sharding"):
+        specs = sharding.partition_specs(params, sharding.rules_for(model.config, "keras"), mesh)
+    assert len(caplog.records) == 1 and "\n" not in caplog.text.strip()
+    assert "attention/key/kernel dim 0 (1)" in caplog.text and "attention/value" in caplog.text
+    block = specs["decoder_block_3"]["attention"]
+    assert block["query"]["kernel"] == P("model", "batch", None)
+    for name in ("query", "key", "value"):  # queries split 8 ways, the one KV head kept whole
+        shape = params["decoder_block_3"]["attention"][name]["kernel"].shape
+        got = NamedSharding(mesh, block[name]["kernel"]).shard_shape(shape)
+        assert got == (1, 2048, 256)
+    # The seed table splits the hidden dim instead, so nothing needs replicating.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sharding"):
+        specs = sharding.partition_specs(params, sharding.rules_for(model.config), mesh)
+    assert not caplog.records
+    assert specs["decoder_block_0"]["attention"]["key"]["kernel"] == P(None, "model", None)
+
+
+def test_placement_creates_params_split_over_8_devices(capsys):
+    mesh = sharding.make_mesh("1x8")
+    model, _ = jaxlm.load("gemma_tiny", abstract=True)
+    rules = sharding.rules_for(model.config)
+    _, params = jaxlm.load("gemma_tiny", placement=sharding.placement(mesh, rules))
+    q = params["decoder_block_1"]["attention"]["query"]["kernel"]  # [4, 128, 32]
+    assert q.sharding.spec == P(None, "model", None) and len(q.sharding.device_set) == 8
+    assert [s.data.shape for s in q.addressable_shards] == [(4, 16, 32)] * 8
+    emb = params["token_embedding"]["embeddings"]
+    assert {s.data.shape for s in emb.addressable_shards} == {(4096, 16)}
+    norm = params["final_normalization"]["scale"]
+    assert norm.sharding.spec == P() and len(norm.addressable_shards) == 8
+    listing = sharding.format_sharding(params, "decoder_block_1/")
+    lines = listing.splitlines()
+    assert len(lines) == 9 and all(l.startswith("decoder_block_1/") for l in lines)
+    assert any("attention/query/kernel" in l and "(4, 128, 32)" in l and "8 shards of (4, 16, 32)"
+               in l for l in lines)
+    assert any("pre_ffw_norm/scale" in l and "replicated" in l for l in lines)
+    specs = sharding.named_shardings(params, rules, mesh)
+    assert specs["decoder_block_1"]["attention"]["query"]["kernel"] == q.sharding
+
+
+def test_adapters_follow_their_kernel():
+    mesh = sharding.make_mesh("1x8")
+    model, params = jaxlm.load("gemma_2b_en", abstract=True)
+    adapters = jax.eval_shape(lambda k: lora.init(params, 4, key=k), jax.random.key(0))
+    seed = sharding.adapter_specs(
+        adapters, sharding.partition_specs(params, sharding.rules_for(model.config), mesh), mesh)
+    q = seed["decoder_block_0"]["attention"]["query"]
+    assert q == {"lora_a": P(None, "model", None), "lora_b": P()}
+    keras = sharding.adapter_specs(adapters, sharding.partition_specs(
+        params, sharding.rules_for(model.config, "keras"), mesh), mesh)
+    assert keras["decoder_block_0"]["attention"]["query"]["lora_a"] == P("model", "batch", None)
+    assert keras["decoder_block_0"]["attention"]["value"]["lora_a"] == P(None, "batch", None)
+    # A factor dim that does not divide (the rank, here split by a hand-made spec) is replicated.
+    odd = {"x": {"kernel": P(None, "model")}}
+    got = sharding.adapter_specs({"x": _tree(lora_a=(16, 4), lora_b=(4, 12))}, odd, mesh)
+    assert got == {"x": {"lora_a": P(), "lora_b": P()}}
+    with pytest.raises(ValueError, match="no spec for y/kernel"):
+        sharding.adapter_specs({"y": _tree(lora_a=(16, 4), lora_b=(4, 8))}, odd, mesh)
+
+
+def test_roberta_tables():
+    mesh = sharding.make_mesh("2x4")
+    model, params = jaxlm.load("roberta_tiny", abstract=True)
+    data = sharding.partition_specs(params, sharding.rules_for(model.config), mesh)
+    assert set(flatten(data).values()) == {P()}
+    mp = flatten(sharding.partition_specs(params, sharding.rules_for(model.config, "model"), mesh))
+    attn = "transformer_layer_1/self_attention_layer"
+    assert mp[f"{attn}/query/kernel"] == P(None, "model", None)
+    assert mp[f"{attn}/value/bias"] == P("model", None)
+    assert mp[f"{attn}/attention_output/kernel"] == P("model", None, None)
+    assert mp["transformer_layer_0/feedforward_output_dense/kernel"] == P("model", None)
+    assert mp["mlm_head/intermediate_dense/kernel"] == P()
+    with pytest.raises(ValueError, match="unknown layout 'seed' for roberta"):
+        sharding.rules_for(model.config, "seed")
+
+
+def test_keras_table_equals_kerashub_get_layout_map():
+    """Our "keras" Gemma table == GemmaBackbone.get_layout_map on a (1, 8) mesh, weight by weight."""
+    import keras
+    import keras_hub
+    from jaxlm.convert.keras_gemma import config_from_keras
+    from jaxlm.loading import abstract_params
+    from models.gemma import Gemma
+
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=64, num_layers=2, num_query_heads=8, num_key_value_heads=8,
+        hidden_dim=16, intermediate_dim=32, head_dim=8)
+    device_mesh = keras.distribution.DeviceMesh((1, 8), ["batch", "model"],
+                                                devices=keras.distribution.list_devices())
+    layout_map = backbone.get_layout_map(device_mesh)
+    config = config_from_keras(backbone.get_config())
+    params = abstract_params(Gemma(config), config)
+    assert sorted(params) == sorted(w.path for w in backbone.weights)
+    ours = flatten(sharding.partition_specs(params, sharding.rules_for(config, "keras"),
+                                            sharding.make_mesh("1x8")))
+    split = 0
+    for w in backbone.weights:
+        layout = layout_map[w.path]
+        theirs = tuple(layout.axes) if layout is not None else (None,) * len(w.shape)
+        mine = tuple(ours[w.path]) or (None,) * len(w.shape)
+        assert mine == theirs, w.path
+        split += any(a is not None for a in theirs)
+    assert split == 1 + 2 * 7  # embedding + 7 kernels per block: the comparison is not vacuous
