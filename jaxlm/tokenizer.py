@@ -142,3 +142,20 @@ def copy_tokenizer_files(src_dir: str, dst_dir: str) -> None:
     src = os.path.join(src_dir, "assets", "tokenizer")
     if os.path.isdir(src):
         shutil.copytree(src, dst_dir, dirs_exist_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxlm.tokenizer train ...`: see jaxlm/tokenizer_train.py."""
+    import sys
+    from jaxlm.errors import cli
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "train":
+        print("usage: python -m jaxlm.tokenizer train --input FILES --vocab_size N --out DIR",
+              file=sys.stderr)
+        return 2
+    from jaxlm import tokenizer_train
+    return cli(tokenizer_train.main)(argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
