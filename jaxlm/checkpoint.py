@@ -1,0 +1,121 @@
+"""Resumable training checkpoints on orbax: async, atomic, keep-N, crash-safe.
+
+Layout under `directory` (one folder per step, orbax's own format)::
+
+    <step>/state/   the train state tree {"step", "trainable", "opt_state", "rng"}
+    <step>/meta/    JSON: step, data position, and the run's fingerprint
+
+Orbax writes each step into `<step>.orbax-checkpoint-tmp-<t>/` and renames it after writing
+`commit_success.txt`, so a step folder is complete iff it has that file. A crash mid-save (kill
+-9, preemption) leaves a tmp folder or, on filesystems without atomic rename, a step folder with
+no commit file; `sweep_incomplete` warns and moves such folders out of the way (never deleting
+what the user might want to inspect), so they are never loaded.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxlm.errors import UserError
+
+log = logging.getLogger("jaxlm")
+COMMIT_FILE = "commit_success.txt"
+INCOMPLETE_DIR = "incomplete_checkpoints"
+
+
+def _is_step_dir(name: str) -> bool:
+    return re.fullmatch(r"\d+", name) is not None
+
+
+def sweep_incomplete(directory: str) -> list[str]:
+    """Move checkpoints cut short by a crash to `<directory>/../incomplete_checkpoints/`.
+
+    Returns the folder names moved (and prints one warning line for them).
+    """
+    if not os.path.isdir(directory) or jax.process_index() != 0:
+        return []
+    bad = sorted(n for n in os.listdir(directory)
+                 if os.path.isdir(os.path.join(directory, n))
+                 and (ocp_tmp(n) or (_is_step_dir(n)
+                                     and not os.path.exists(os.path.join(directory, n, COMMIT_FILE)))))
+    if not bad:
+        return []
+    aside = os.path.join(os.path.dirname(os.path.abspath(directory)), INCOMPLETE_DIR)
+    os.makedirs(aside, exist_ok=True)
+    for n in bad:
+        os.replace(os.path.join(directory, n), os.path.join(aside, f"{n}.{time.time_ns()}"))
+    log.warning("checkpoint: ignored %d incomplete checkpoint(s) cut short by a crash (%s); "
+                "moved to %s", len(bad), ", ".join(bad), aside)
+    return bad
+
+
+def ocp_tmp(name: str) -> bool:
+    return ".orbax-checkpoint-tmp" in name
+
+
+def complete_steps(directory: str) -> list[int]:
+    """Steps whose folder is complete (committed), ascending."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(n) for n in os.listdir(directory)
+                  if _is_step_dir(n) and os.path.exists(os.path.join(directory, n, COMMIT_FILE)))
+
+
+def manager(directory: str, *, keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:
+    """An orbax CheckpointManager keeping the last `keep` steps; sweeps crash leftovers first."""
+    if keep < 1:
+        raise UserError(f"--keep={keep}: keep at least 1 checkpoint")
+    directory = os.path.abspath(directory)
+    sweep_incomplete(directory)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                           create=True)
+    return ocp.CheckpointManager(directory, options=options, item_names=("state", "meta"))
+
+
+def save(mngr: ocp.CheckpointManager, step: int, state: dict, meta: dict) -> None:
+    """Start an (async) save of `state` at `step`; returns once device buffers are copied."""
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                            meta=ocp.args.JsonSave(meta)), force=True)
+
+
+def abstract_like(tree):
+    """ShapeDtypeStructs carrying each array's sharding: the restore target."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def restore_latest(mngr: ocp.CheckpointManager, like_state: dict):
+    """-> (state, meta) of the latest complete step, placed like `like_state`; None if none.
+
+    like_state: the freshly initialised state (arrays or ShapeDtypeStructs with shardings).
+    """
+    steps = complete_steps(str(mngr.directory))
+    if not steps:
+        return None
+    step = steps[-1]
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          like_state)
+    try:
+        out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                         meta=ocp.args.JsonRestore()))
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise UserError(f"cannot resume from {mngr.directory}/{step} ({str(e).splitlines()[0]}); "
+                        "it was written by a different configuration — use another --out "
+                        "or delete that folder") from None
+    return out["state"], out["meta"]
+
+
+def save_tree(path: str, tree) -> None:
+    """Write one tree (e.g. the final adapters) as a standalone orbax checkpoint at `path`."""
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.abspath(path), tree, force=True)
+
+
+def load_tree(path: str, like=None):
+    """Read a tree written by `save_tree` (onto `like`'s shardings when given)."""
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(os.path.abspath(path), None if like is None else abstract_like(like))

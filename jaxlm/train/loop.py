@@ -1,0 +1,88 @@
+"""The step loop: batches in, checkpoints and metrics out, host syncs only at log points.
+
+Generic over the task: `get_batch(step) -> batch` (already placed on the mesh) and a step
+function from `jaxlm.train.step.make_train_step`, so the MLM trainer reuses it as is.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Callable
+
+import jax
+
+from jaxlm import checkpoint
+
+
+def progress_line(step: int, total: int, m: dict, tok_s: float, step_s: float, width: int = 20) -> str:
+    done = int(width * step / max(total, 1))
+    bar = "#" * done + "." * (width - done)
+    return (f"[{bar}] step {step:>{len(str(total))}}/{total}  loss {m['loss']:.4f}  "
+            f"acc {m['accuracy']:.3f}  {tok_s:,.0f} tok/s  {step_s * 1e3:,.1f} ms/step")
+
+
+def run(step_fn: Callable, state: dict, frozen, get_batch: Callable[[int], dict], *,
+        num_steps: int, mngr=None, save_every: int = 0, meta: Callable[[int], dict] = lambda s: {},
+        log_every: int = 10, metrics_path: str | None = None, print_fn=print):
+    """Train from `state["step"]` to `num_steps`; -> (final state, [(step, host metrics)]).
+
+    step_fn(state, frozen, batch) -> (state, metrics) with metrics {loss, accuracy, count, ...}.
+    Checkpoints (via `mngr`, async) every `save_every` steps and at the end; `meta(step)` is
+    stored with each (data position, run fingerprint). Metrics are fetched from the devices only
+    every `log_every` steps and appended to `metrics_path` as JSON lines.
+    """
+    start = int(jax.device_get(state["step"]))
+    pending: list = []  # (step, device metrics) since the last log point
+    history: list = []  # (step, host metrics) of every step run here
+    t_last = time.perf_counter()
+    log_file = open(metrics_path, "a") if metrics_path and jax.process_index() == 0 else None
+    try:
+        for s in range(start, num_steps):
+            state, metrics = step_fn(state, frozen, get_batch(s))
+            pending.append((s + 1, metrics))
+            last = s + 1 == num_steps
+            if s == start:  # the first step compiles; time it apart so ms/step means steady state
+                jax.block_until_ready(metrics)
+                now = time.perf_counter()
+                print_fn(f"compiled and ran step {s + 1} in {now - t_last:.1f}s")
+                history += _log(pending, now - t_last, num_steps, log_file, print_fn, quiet=not last)
+                pending, t_last = [], now
+            elif (s + 1) % log_every == 0 or last:
+                host = jax.device_get([m for _, m in pending])  # the only sync point
+                now = time.perf_counter()
+                history += _log(list(zip([p for p, _ in pending], host)), now - t_last,
+                                num_steps, log_file, print_fn)
+                pending, t_last = [], now
+            if mngr is not None and ((save_every and (s + 1) % save_every == 0) or last):
+                checkpoint.save(mngr, s + 1, state, meta(s + 1))
+    finally:
+        if log_file:
+            log_file.close()
+        if mngr is not None:
+            mngr.wait_until_finished()
+    return state, history
+
+
+def _log(items, seconds: float, total: int, log_file, print_fn, quiet: bool = False) -> list:
+    items = [(s, {k: float(v) for k, v in jax.device_get(m).items()}) for s, m in items]
+    if not items:
+        return items
+    step_s = seconds / len(items)
+    tokens = sum(m["count"] for _, m in items)
+    tok_s = tokens / max(seconds, 1e-9)
+    if log_file:
+        for s, m in items:
+            log_file.write(json.dumps({"step": s, **m, "step_time_s": step_s,
+                                       "tokens_per_s": tok_s}) + "\n")
+        log_file.flush()
+    if not quiet:
+        step, m = items[-1]
+        print_fn(progress_line(step, total, m, tok_s, step_s))
+        sys.stdout.flush()
+    return items
+
+
+def metrics_file(out_dir: str) -> str:
+    return os.path.join(out_dir, "metrics.jsonl")

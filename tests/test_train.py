@@ -1,0 +1,137 @@
+"""Optimizer masks, exact gradient accumulation, and the sharded train step on a (1, 8) mesh."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import sharding
+from conftest import ragged_batch
+from jaxlm import lora
+from jaxlm.train import loss as L, optim, step as S
+from models.gemma import Gemma, PRESETS
+
+CFG = PRESETS["gemma_tiny"].replace(vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return sharding.make_mesh("1x8")
+
+
+@pytest.fixture(scope="module")
+def model_params(mesh):
+    model = Gemma(CFG)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    return model, jax.device_put(params, sharding.named_shardings(params, sharding.rules_for(CFG), mesh))
+
+
+def batch_of(n, width=17, seed=0):
+    rng = np.random.RandomState(seed)
+    ids, mask = ragged_batch(CFG.vocab_size, rng.randint(3, width + 1, n), width, seed)
+    return {"token_ids": ids, "padding_mask": mask}
+
+
+def test_decay_mask_spares_bias_and_scale():
+    tree = {"a": {"kernel": 0, "bias": 0}, "norm": {"scale": 0}, "q": {"lora_a": 0, "lora_b": 0}}
+    assert optim.decay_mask(tree) == {"a": {"kernel": True, "bias": False}, "norm": {"scale": False},
+                                      "q": {"lora_a": True, "lora_b": True}}
+
+
+def test_adamw_leaves_norm_scales_undecayed():
+    """With zero gradients only weight decay moves parameters: kernels shrink, scales stay."""
+    params = {"k": {"kernel": jnp.ones((2, 2))}, "n": {"scale": jnp.ones(2)}}
+    opt = optim.make_optimizer(optim.OptimConfig(learning_rate=0.1, weight_decay=0.5))
+    upd, _ = opt.update(jax.tree.map(jnp.zeros_like, params), opt.init(params), params)
+    new = optax.apply_updates(params, upd)
+    np.testing.assert_allclose(new["n"]["scale"], 1.0)
+    np.testing.assert_allclose(new["k"]["kernel"], 1.0 - 0.1 * 0.5, rtol=1e-6)
+
+
+def test_schedule_warmup_then_cosine():
+    cfg = optim.OptimConfig(learning_rate=1.0, warmup_steps=10, schedule="cosine", total_steps=110)
+    f = optim.schedule(cfg)
+    assert float(f(0)) == 0.0 and abs(float(f(5)) - 0.5) < 1e-6 and abs(float(f(10)) - 1.0) < 1e-6
+    assert abs(float(f(60)) - 0.5) < 1e-6 and float(f(110)) < 1e-6
+
+
+def _lora_step(model, params, mesh, accum, donate=True, opt=None):
+    adapters = lora.init(params, 4, key=jax.random.key(1))
+    # A non-zero B so the adapters affect the loss (B starts at zero).
+    adapters = jax.tree.map(lambda x: x + 0.05, adapters)
+    rules = sharding.rules_for(CFG)
+    specs = sharding.adapter_specs(adapters, sharding.partition_specs(params, rules, mesh), mesh)
+    adapters = jax.device_put(adapters, jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                                                     is_leaf=lambda x: isinstance(x, P)))
+    opt = opt or optim.make_optimizer(optim.OptimConfig(learning_rate=1e-2, clip_norm=None))
+    state = S.init_state(adapters, opt, 0, mesh)
+    fn = S.make_train_step(L.lm_loss_fn(Gemma(CFG), chunk_size=8), opt, merge=lora.merge,
+                           accum_steps=accum, state_shardings=S.shardings_of(state),
+                           frozen_shardings=S.shardings_of(params),
+                           batch_shardings=S.micro_batch_sharding(mesh, accum), mesh=mesh,
+                           donate=donate)
+    return state, fn
+
+
+def test_accumulation_equals_one_big_step(model_params, mesh):
+    """2 micro-batches of 4 == one batch of 8, normalised by the TOTAL count of real tokens."""
+    model, params = model_params
+    big = batch_of(8)
+    micro = {k: v.reshape(2, 4, -1) for k, v in big.items()}
+    counts = big["padding_mask"][:, 1:].reshape(2, 4, -1).sum((1, 2))
+    assert counts[0] != counts[1]  # else a mean of means would agree by accident
+
+    # SGD(1): the update IS the gradient (Adam's g/|g| would amplify rounding where g ~ 0).
+    state1, fn1 = _lora_step(model, params, mesh, 1, opt=optax.sgd(1.0))
+    state2, fn2 = _lora_step(model, params, mesh, 2, opt=optax.sgd(1.0))
+    new1, m1 = fn1(state1, params, big)
+    new2, m2 = fn2(state2, params, micro)
+    np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(float(m1["grad_norm"]), float(m2["grad_norm"]), rtol=1e-4)
+    assert float(m1["count"]) == float(m2["count"]) == big["padding_mask"][:, 1:].sum()
+    for a, b in zip(jax.tree.leaves(new1["trainable"]), jax.tree.leaves(new2["trainable"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_lora_step_is_sharded_and_trains_only_adapters(model_params, mesh):
+    model, params = model_params
+    before = jax.tree.map(np.asarray, params)
+    state, fn = _lora_step(model, params, mesh, 1)
+    emb = params["token_embedding"]["embeddings"]
+    assert emb.sharding.spec == P(None, "model") and len(emb.addressable_shards) == 8
+    assert emb.addressable_shards[0].data.shape == (CFG.vocab_size, CFG.hidden_dim // 8)
+    a0 = jax.tree.map(np.asarray, state["trainable"])
+    batch = batch_of(8, seed=1)
+    losses = []
+    for _ in range(5):
+        state, m = fn(state, params, batch)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < losses[0]  # it learns the batch
+    assert int(state["step"]) == 5
+    # adapters moved and kept their shardings; the base stayed put (frozen, not donated)
+    qa = state["trainable"]["decoder_block_0"]["attention"]["query"]["lora_a"]
+    assert qa.sharding.spec == P(None, "model", None)
+    assert not np.allclose(np.asarray(qa), a0["decoder_block_0"]["attention"]["query"]["lora_a"])
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), y), params, before)
+    # the optimizer state holds adapter moments only (no base parameters)
+    n_opt = sum(x.size for x in jax.tree.leaves(state["opt_state"]) if x.ndim)
+    assert n_opt == 2 * lora.num_params(state["trainable"])
+
+
+def test_full_finetune_step(model_params, mesh):
+    """Rank 0: every parameter is trained; state stays on the mesh with its layout."""
+    model, params = model_params
+    params = jax.tree.map(jnp.copy, params)  # this state is donated
+    opt = optim.make_optimizer(optim.OptimConfig(learning_rate=1e-3))
+    state = S.init_state(params, opt, 0, mesh)
+    shardings = S.shardings_of(state)
+    fn = S.make_train_step(L.lm_loss_fn(model), opt, state_shardings=shardings,
+                           batch_shardings=S.micro_batch_sharding(mesh), mesh=mesh)
+    batch = batch_of(8, seed=2)
+    state, m1 = fn(state, None, batch)
+    state, m2 = fn(state, None, batch)
+    assert float(m2["loss"]) < float(m1["loss"])
+    assert S.shardings_of(state) == shardings
+    ffw = state["trainable"]["decoder_block_1"]["ffw_gating"]["kernel"]
+    assert ffw.sharding.spec == P("model", None)
