@@ -1,0 +1,237 @@
+"""Masked-LM TFRecord shards in the TF+TPU blog's format, written and read without TensorFlow.
+
+    python -m jaxlm.shards --input FILES --tokenizer DIR --max_length 512 --shard_size 1000 \
+        --out DIR_OR_BUCKET [--validation_fraction 0.05]
+
+As `prepare_tfrecord_shards.py`: every line (empty ones included) becomes `[CLS] … [SEP]`;
+lines are taken 1000 at a time, concatenated, cut to a multiple of `max_length` (the remainder
+of each group is dropped) and split into `max_length` chunks with an all-ones attention mask.
+Chunks go to `{out}/{split}/dataset-{i}-{count}.tfrecord`, `shard_size` records per file, each
+a tf.train.Example with int64 `input_ids` and `attention_mask` of length `max_length`.
+
+Whole groups go to the validation split (`is_validation`), so no chunk straddles the two.
+
+Paths may be local or any fsspec URL (`gs://bucket/dir` needs `pip install gcsfs`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from jaxlm import tfrecord
+from jaxlm.errors import UserError, cli
+
+GROUP_LINES = 1000  # the blog's `map(batched=True, batch_size=1000)`
+SHARD_RE = re.compile(r"-\d+-(\d+)\.tfrecord$")  # the blog's run_mlm.count_samples
+
+
+# --- paths: local or fsspec ------------------------------------------------------------------
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def _fs(path: str):
+    import fsspec
+    try:
+        fs, _ = fsspec.core.url_to_fs(path)
+    except ImportError as e:
+        raise UserError(f"cannot open {path}: {e} (for gs:// run `pip install gcsfs`)") from None
+    return fs
+
+
+def open_path(path: str, mode: str = "rb"):
+    if not _is_url(path):
+        return open(path, mode)
+    return _fs(path).open(path, mode)
+
+
+def exists(path: str) -> bool:
+    return _fs(path).exists(path) if _is_url(path) else os.path.exists(path)
+
+
+def join(*parts: str) -> str:
+    return "/".join([parts[0].rstrip("/")] + [p.strip("/") for p in parts[1:]]) if _is_url(parts[0]) \
+        else os.path.join(*parts)
+
+
+def list_shards(directory: str) -> list[tuple[str, int]]:
+    """[(path, record count)] of the `*.tfrecord` files in `directory`, sorted by name."""
+    if _is_url(directory):
+        fs = _fs(directory)
+        protocol = directory.split("://", 1)[0]
+        names = [f"{protocol}://{p}" for p in fs.glob(join(directory, "*.tfrecord"))]
+    else:
+        if not os.path.isdir(directory):
+            raise UserError(f"shard folder {directory} does not exist")
+        names = [os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".tfrecord")]
+    if not names:
+        raise UserError(f"{directory} holds no .tfrecord shards; write some with `python -m jaxlm.shards`")
+    out = []
+    for name in sorted(names, key=_shard_order):
+        m = SHARD_RE.search(name)
+        if not m:
+            raise UserError(f"{name} is not named dataset-{{i}}-{{count}}.tfrecord; the record count "
+                            "must be in the name (as the blog writes it)")
+        out.append((name, int(m.group(1))))
+    return out
+
+
+def _shard_order(name: str):
+    m = re.search(r"-(\d+)-\d+\.tfrecord$", name)
+    return (int(m.group(1)) if m else -1, name)
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+def encode_lines(tokenizer, lines: list[str]) -> list[list[int]]:
+    """Each line -> [CLS] ids [SEP] (sentencepiece's batch encoder when there is one)."""
+    sp = getattr(tokenizer, "sp", None)
+    if sp is not None:
+        return sp.encode(lines, add_bos=True, add_eos=True)
+    return [tokenizer.encode(l, bos=True, eos=True) for l in lines]
+
+
+def chunk_groups(tokenizer, lines: Iterable[str], max_length: int,
+                 group_lines: int = GROUP_LINES) -> Iterator[np.ndarray]:
+    """Yield, per group of `group_lines` lines, its chunks as int64 [n, max_length] (n may be 0)."""
+    group: list[str] = []
+    for line in lines:
+        group.append(line)
+        if len(group) == group_lines:
+            yield _chunks(encode_lines(tokenizer, group), max_length)
+            group = []
+    if group:
+        yield _chunks(encode_lines(tokenizer, group), max_length)
+
+
+def _chunks(encoded: list[list[int]], max_length: int) -> np.ndarray:
+    flat = np.fromiter((i for ids in encoded for i in ids), np.int64)
+    n = len(flat) // max_length
+    return flat[:n * max_length].reshape(n, max_length)
+
+
+class ShardWriter:
+    """Buffers chunks and writes `dataset-{i}-{count}.tfrecord` files of `shard_size` records."""
+
+    def __init__(self, directory: str, shard_size: int):
+        self.directory, self.shard_size = directory, shard_size
+        self.pending: list[np.ndarray] = []
+        self.index = 0
+        self.records = 0
+        self.paths: list[str] = []
+        if not _is_url(directory):
+            os.makedirs(directory, exist_ok=True)
+
+    def add(self, chunks: np.ndarray) -> None:
+        self.pending.extend(chunks)
+        while len(self.pending) >= self.shard_size:
+            self._flush(self.pending[:self.shard_size])
+            self.pending = self.pending[self.shard_size:]
+
+    def close(self) -> None:
+        if self.pending:
+            self._flush(self.pending)
+            self.pending = []
+
+    def _flush(self, rows: list[np.ndarray]) -> None:
+        path = join(self.directory, f"dataset-{self.index}-{len(rows)}.tfrecord")
+        target = path if _is_url(path) else path + ".tmp"  # local: atomic rename when complete
+        with open_path(target, "wb") as f:
+            for ids in rows:
+                tfrecord.write_record(f, tfrecord.encode_example(
+                    {"input_ids": ids, "attention_mask": np.ones_like(ids)}))
+        if not _is_url(path):
+            os.replace(target, path)
+        self.paths.append(path)
+        self.index += 1
+        self.records += len(rows)
+
+
+def is_validation(group: int, fraction: float) -> bool:
+    """Group g is held out when g % period == 1, period = round(1 / fraction): the fraction is
+    met on large corpora and a corpus of two groups or more always gets one."""
+    if fraction <= 0:
+        return False
+    return group % max(2, round(1 / fraction)) == 1
+
+
+def write_shards(tokenizer, lines: Iterable[str], out: str, *, max_length: int = 512,
+                 shard_size: int = 1000, validation_fraction: float = 0.0,
+                 group_lines: int = GROUP_LINES) -> dict[str, ShardWriter]:
+    """Tokenize, chunk and write train (and validation) shards; -> {split: writer}."""
+    if max_length < 2:
+        raise UserError(f"--max_length {max_length} is too small; it must be at least 2")
+    if shard_size < 1:
+        raise UserError(f"--shard_size {shard_size} must be positive")
+    if not 0 <= validation_fraction < 1:
+        raise UserError(f"--validation_fraction {validation_fraction} must be in [0, 1)")
+    writers = {"train": ShardWriter(join(out, "train"), shard_size)}
+    if validation_fraction > 0:
+        writers["validation"] = ShardWriter(join(out, "validation"), shard_size)
+    for g, chunks in enumerate(chunk_groups(tokenizer, lines, max_length, group_lines)):
+        writers["validation" if is_validation(g, validation_fraction) else "train"].add(chunks)
+    for w in writers.values():
+        w.close()
+    return writers
+
+
+def read_shard(path: str, max_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """-> (input_ids, attention_mask), int32 [n, L]; L must equal `max_length` when given."""
+    ids, masks = [], []
+    with open_path(path, "rb") as f:
+        for record in tfrecord.read_records(f, path):
+            ex = tfrecord.decode_example(record)
+            if "input_ids" not in ex:
+                raise UserError(f"{path} has records without input_ids; is it a masked-LM shard?")
+            x = np.asarray(ex["input_ids"], np.int64)
+            m = np.asarray(ex.get("attention_mask", np.ones_like(x)), np.int64)
+            if max_length is not None and len(x) != max_length:
+                raise UserError(f"{path} holds sequences of length {len(x)} but --max_length is "
+                                f"{max_length}; pass --max_length {len(x)} or rewrite the shards")
+            ids.append(x)
+            masks.append(m)
+    if not ids:
+        return np.zeros((0, max_length or 0), np.int32), np.zeros((0, max_length or 0), np.int32)
+    return np.stack(ids).astype(np.int32), np.stack(masks).astype(np.int32)
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jaxlm.shards", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", default=None,
+                   help="text files, one example per line (default: pydoc_data.topics)")
+    p.add_argument("--tokenizer", required=True, help="tokenizer folder (python -m jaxlm.tokenizer train)")
+    p.add_argument("--max_length", type=int, default=512)
+    p.add_argument("--shard_size", type=int, default=1000, help="records per shard")
+    p.add_argument("--out", required=True, help="output folder or bucket URL (gs://…)")
+    p.add_argument("--validation_fraction", type=float, default=0.05,
+                   help="share of 1000-line groups written to {out}/validation")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    from jaxlm.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(args.tokenizer)
+    if args.input:
+        from jaxlm.tokenizer_train import read_lines
+        lines = read_lines(args.input)
+    else:
+        from jaxlm.tokenizer import _pydoc_corpus
+        lines = _pydoc_corpus().splitlines()
+    writers = write_shards(tokenizer, lines, args.out, max_length=args.max_length,
+                           shard_size=args.shard_size, validation_fraction=args.validation_fraction)
+    for split, w in writers.items():
+        print(f"{split}: {w.records} records of {args.max_length} tokens in {len(w.paths)} shards "
+              f"under {w.directory}")
+    if writers["train"].records == 0:
+        raise UserError("no training record was written: the corpus is shorter than one "
+                        f"{args.max_length}-token chunk per {GROUP_LINES} lines; lower --max_length")
+    return 0
+
+
+if __name__ == "__main__":
+    main()
