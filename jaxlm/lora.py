@@ -81,7 +81,7 @@ def _he_uniform(key, shape) -> jax.Array:
 
 
 def init(params: dict, rank: int, *, key, alpha=None, targets=None, dropout: float = 0.0) -> dict:
-    """-> adapters {P: {"lora_a": [*K[:-1], r], "lora_b": [r, K[-1]]}} for each target kernel P/kernel.
+    """-> adapters {P: {"lora_a": [*K[:-1], r], "lora_b": [r, K[-1]]}} per target kernel P/kernel.
 
     params may be abstract (ShapeDtypeStructs): only shapes are read, so
     `jax.jit(lambda k: init(abstract, r, key=k), out_shardings=...)` creates adapters in place.
@@ -122,15 +122,16 @@ def _pairs(adapters: dict) -> dict:
     for parent in pairs:
         a, b = flat.get(f"{parent}/lora_a"), flat.get(f"{parent}/lora_b")
         if a is None or b is None:
-            raise UserError(f"adapter {parent} lacks lora_a or lora_b; the adapter tree is incomplete")
+            raise UserError(f"adapter {parent} lacks lora_a or lora_b; the tree is incomplete")
         pairs[parent] = (a, b)
     return pairs
 
 
 def _update(path: str, kernel, a, b, alpha, sign: float):
-    if tuple(a.shape[:-1]) != tuple(kernel.shape[:-1]) or b.shape != (a.shape[-1], kernel.shape[-1]):
-        raise UserError(f"adapter {path} has A {tuple(a.shape)}, B {tuple(b.shape)} but the kernel "
-                        f"is {tuple(kernel.shape)}; the adapters belong to another model")
+    k, a_shape, b_shape = tuple(kernel.shape), tuple(a.shape), tuple(b.shape)
+    if a_shape[:-1] != k[:-1] or b_shape != (a_shape[-1], k[-1]):
+        raise UserError(f"adapter {path} has A {a_shape}, B {b_shape} but the kernel is {k}; "
+                        "the adapters belong to another model")
     rank = a.shape[-1]
     scale = (rank if alpha is None else alpha) / rank
     delta = jnp.einsum("...r,rd->...d", a.astype(jnp.float32), b.astype(jnp.float32))

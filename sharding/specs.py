@@ -101,7 +101,7 @@ def _spec(entries: list) -> P:
     return P() if all(e is None for e in entries) else P(*entries)
 
 
-def _warn(dropped: list, what: str = "") -> None:
+def _warn(dropped: list, what: str = "", suffix: str = "") -> None:
     """One line for the whole call; layer indices folded so 18 blocks read as one entry."""
     groups: dict = {}
     for path, i, n, axis, size in dropped:
@@ -110,8 +110,8 @@ def _warn(dropped: list, what: str = "") -> None:
     items = [f"{p} dim {i} ({n}) over {a!r} ({s})" + (f" x{c}" if c > 1 else "")
              for (p, i, n, a, s), c in groups.items()]
     more = f"; and {len(items) - 4} more" if len(items) > 4 else ""
-    log.warning("sharding: kept whole (replicated) %sdims that do not divide their mesh axis: %s%s",
-                what, "; ".join(items[:4]), more)
+    log.warning("sharding: kept whole (replicated) %sdims that do not divide their mesh axis: "
+                "%s%s%s", what, "; ".join(items[:4]), more, suffix)
 
 
 def partition_specs(params: dict, rules, mesh=None) -> dict:
@@ -199,7 +199,7 @@ def placement(mesh, rules):
         entries = _fit(_entries(spec, shape, path, regex.pattern), shape, mesh, path, dropped)
         if dropped and i not in warned:
             warned.add(i)
-            _warn(dropped, f"(here and in every tensor {regex.pattern!r} matches) ")
+            _warn(dropped, suffix=f" (and in later tensors matching {regex.pattern!r})")
         return NamedSharding(mesh, _spec(entries))
     return place
 

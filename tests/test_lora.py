@@ -28,7 +28,7 @@ def test_init_shapes_dtypes_and_keras_he_uniform():
     # KerasHub's defaults: query and value only, in every block.
     assert sorted(flat) == sorted(f"decoder_block_{i}/attention/{n}/lora_{f}"
                                   for i in range(2) for n in ("query", "value") for f in "ab")
-    a, b = flat["decoder_block_0/attention/query/lora_a"], flat["decoder_block_0/attention/query/lora_b"]
+    a, b = (flat[f"decoder_block_0/attention/query/lora_{f}"] for f in "ab")
     assert a.shape == (4, 128, 8) and b.shape == (8, 32)
     assert a.dtype == jnp.float32 and b.dtype == jnp.float32  # whatever the model dtype
     assert not np.any(np.asarray(b))
@@ -129,7 +129,7 @@ def test_keras_layer_order_equals_kerashub():
 
 
 def test_kerashub_lora_file_both_ways(keras_gemma_preset, tmp_path):
-    """KerasHub LoRA weights -> jaxlm merge == KerasHub logits; jaxlm's file -> KerasHub == jaxlm."""
+    """KerasHub LoRA file -> jaxlm merge == KerasHub logits; jaxlm's file -> KerasHub == jaxlm."""
     import keras_hub
     preset, backbone = keras_gemma_preset(name="lora")
     backbone.enable_lora(4)
@@ -174,3 +174,30 @@ def test_keras_lora_file_errors(tmp_path):
     _, big = jaxlm.load("gemma_2b_en", abstract=True)
     with pytest.raises(jaxlm.UserError, match="another model"):
         lora.load_keras_lora(path, model.config, big)
+
+
+def test_roberta_kerashub_lora_file_gives_kerashub_effective_kernels(tmp_path):
+    """RoBERTa: a KerasHub .lora.h5 merged by jaxlm equals KerasHub's effective (LoRA) kernels."""
+    import keras_hub
+    from jaxlm.convert.keras_roberta import config_from_keras
+    from jaxlm.tree import unflatten
+    backbone = keras_hub.models.RobertaBackbone(vocabulary_size=64, num_layers=2, num_heads=2,
+                                                hidden_dim=8, intermediate_dim=16,
+                                                max_sequence_length=8)
+    params = unflatten({w.path: np.asarray(w.numpy()) for w in backbone.weights})
+    backbone.enable_lora(3)
+    rng = np.random.RandomState(0)
+    for w in backbone.weights:
+        if "lora_kernel" in w.path:
+            w.assign(rng.randn(*w.shape).astype("float32"))
+    path = str(tmp_path / "roberta.lora.h5")
+    backbone.save_lora_weights(path)
+    config = config_from_keras(backbone.get_config())
+    merged = flatten(lora.merge(params, lora.load_keras_lora(path, config, params)))
+    layers = {l.path: l for l in backbone._flatten_layers(include_self=False)}
+    for i in range(2):
+        for name in ("query", "value"):
+            layer = layers[f"transformer_layer_{i}/self_attention_layer/{name}"]
+            got = merged[f"{layer.path}/kernel"]
+            np.testing.assert_allclose(got, np.asarray(layer.kernel), atol=1e-5)
+            assert np.abs(got - flatten(params)[f"{layer.path}/kernel"]).max() > 1e-2

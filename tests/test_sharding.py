@@ -147,7 +147,7 @@ def test_roberta_tables():
 
 
 def test_keras_table_equals_kerashub_get_layout_map():
-    """Our "keras" Gemma table == GemmaBackbone.get_layout_map on a (1, 8) mesh, weight by weight."""
+    """Our "keras" Gemma table == GemmaBackbone.get_layout_map on a (1, 8) mesh, per weight."""
     import keras
     import keras_hub
     from jaxlm.convert.keras_gemma import config_from_keras
@@ -173,3 +173,20 @@ def test_keras_table_equals_kerashub_get_layout_map():
         assert mine == theirs, w.path
         split += any(a is not None for a in theirs)
     assert split == 1 + 2 * 7  # embedding + 7 kernels per block: the comparison is not vacuous
+
+
+def test_placement_warns_once_per_rule(caplog):
+    mesh = sharding.make_mesh("1x8")
+    model, _ = jaxlm.load("gemma_tiny", abstract=True)
+    place = sharding.placement(mesh, sharding.rules_for(model.config, "keras"))
+    with caplog.at_level(logging.WARNING, logger="sharding"):
+        for i in range(2):
+            for name in ("query", "key", "value"):
+                heads = 8 if name == "query" else 1
+                s = place(f"decoder_block_{i}/attention/{name}/kernel", (heads, 128, 32))
+                assert s.spec == (P("model", "batch", None) if name == "query" else
+                                  P(None, "batch", None))
+    assert len(caplog.records) == 1
+    assert "attention/key/kernel dim 0 (1)" in caplog.text
+    with pytest.raises(ValueError, match="rank 2"):
+        place("decoder_block_0/attention/query/kernel", (4, 128))
