@@ -1,0 +1,211 @@
+"""Instruction data: CSV / JSONL / JSON rows -> templated text -> KerasHub-packed token ids.
+
+The seed article reads the OpenHermes CSV (columns `instruction`, `output`), formats each row
+with `"Instruction:\n{instruction}\n\nResponse:\n{output}"`, keeps the first 1000 and lets
+`GemmaCausalLMPreprocessor` pack them (BOS + text + EOS, length sequence_length + 1). This
+module does the same without pandas or TensorFlow. Bad rows are counted and skipped, because
+one broken line in 240k should not kill a run; a file without the columns is a UserError.
+
+Batches are a pure function of (seed, step): the stream is the concatenation of per-epoch
+permutations, so resuming at step s reads exactly what an uninterrupted run would have read.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from jaxlm.errors import UserError
+
+TEMPLATE = "Instruction:\n{instruction}\n\nResponse:\n{output}"
+
+
+@dataclasses.dataclass
+class Records:
+    instructions: list[str]
+    outputs: list[str]
+    skipped: int = 0
+    reasons: dict = dataclasses.field(default_factory=dict)  # reason -> count
+
+    def __len__(self):
+        return len(self.instructions)
+
+    def report(self, path: str) -> str | None:
+        """One line about skipped rows, or None when every row was good."""
+        if not self.skipped:
+            return None
+        why = ", ".join(f"{n} {r}" for r, n in sorted(self.reasons.items()))
+        return f"{path}: skipped {self.skipped} malformed row(s) ({why}); kept {len(self)}"
+
+
+def _value(row: dict, column: str):
+    """A usable text field, or the reason it is not."""
+    if column not in row or row[column] is None:
+        return None, f"missing {column}"
+    v = row[column]
+    if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+        return None, f"non-text {column}"
+    v = str(v)
+    return (v, None) if v.strip() else (None, f"empty {column}")
+
+
+def _rows(path: str):
+    """Yield dict rows or the string reason a row is unreadable; also report the columns seen."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".csv":
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            yield ("columns", reader.fieldnames or [])
+            for row in reader:
+                yield ("row", {k: v for k, v in row.items() if k is not None})
+    elif ext in (".jsonl", ".ndjson"):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    yield ("bad", "bad JSON line")
+                    continue
+                yield ("row", row) if isinstance(row, dict) else ("bad", "line is not an object")
+    elif ext == ".json":
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); "
+                                "use a JSON list of objects or JSONL") from None
+        if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+            data = next(iter(data.values()))  # {"data": [...]}
+        if not isinstance(data, list):
+            raise UserError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
+        for row in data:
+            yield ("row", row) if isinstance(row, dict) else ("bad", "item is not an object")
+    else:
+        raise UserError(f"{path}: unsupported data format {ext or '(no extension)'!r}; "
+                        "use .csv, .jsonl or .json")
+
+
+def read_records(path: str, instruction_column: str = "instruction",
+                 output_column: str = "output", limit: int | None = None) -> Records:
+    """Read (instruction, output) pairs; malformed rows are counted in `skipped`, not raised.
+
+    limit: keep the first `limit` good rows (the seed's `data[:1000]`).
+    Raises UserError for a missing or empty file, or one without the two columns.
+    """
+    if not os.path.isfile(path):
+        raise UserError(f"data file {path} does not exist")
+    if os.path.getsize(path) == 0:
+        raise UserError(f"data file {path} is empty")
+    out = Records([], [])
+    seen_columns: set[str] = set()
+    wanted = (instruction_column, output_column)
+    try:
+        items = list(_rows(path))
+    except (csv.Error, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}; expected UTF-8 CSV with a header row") from None
+    for kind, item in items:
+        if kind == "columns":
+            seen_columns.update(item)
+            if not all(c in item for c in wanted):
+                raise UserError(_columns_error(path, wanted, item))
+            continue
+        if kind == "bad":
+            out.skipped += 1
+            out.reasons[item] = out.reasons.get(item, 0) + 1
+            continue
+        seen_columns.update(item)
+        (ins, why1), (res, why2) = _value(item, instruction_column), _value(item, output_column)
+        if why1 or why2:
+            out.skipped += 1
+            out.reasons[why1 or why2] = out.reasons.get(why1 or why2, 0) + 1
+            continue
+        if limit is None or len(out) < limit:
+            out.instructions.append(ins)
+            out.outputs.append(res)
+    if not len(out):
+        if seen_columns and not all(c in seen_columns for c in wanted):
+            raise UserError(_columns_error(path, wanted, sorted(seen_columns)))
+        why = f" ({out.report(path).split('(', 1)[1]}" if out.skipped else ""
+        raise UserError(f"data file {path} has no usable rows{why}")
+    return out
+
+
+def _columns_error(path, wanted, found) -> str:
+    return (f"{path} has no {' / '.join(repr(c) for c in wanted)} columns (found: "
+            f"{', '.join(repr(c) for c in found) or 'none'}); "
+            "pass --instruction_column=NAME --output_column=NAME")
+
+
+def check_template(template: str) -> str:
+    """The template must format with exactly `instruction` and `output` fields."""
+    try:
+        template.format(instruction="", output="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise UserError(f"bad --template {template!r} ({type(e).__name__}: {e}); it may use only "
+                        "{instruction} and {output}") from None
+    if "{output}" not in template:
+        raise UserError(f"--template {template!r} has no {{output}} field")
+    return template
+
+
+def format_examples(records: Records, template: str = TEMPLATE) -> list[str]:
+    return [template.format(instruction=i, output=o)
+            for i, o in zip(records.instructions, records.outputs)]
+
+
+def prompt(template: str, instruction: str) -> str:
+    """The generation prompt: the template with an empty output, as the seed does."""
+    return template.format(instruction=instruction, output="")
+
+
+def pack(tokenizer, texts: list[str], sequence_length: int):
+    """KerasHub's StartEndPacker at length sequence_length + 1.
+
+    -> token_ids int32 [N, L+1] (BOS, text truncated to L-1 tokens, EOS, 0-padding) and
+    padding_mask bool [N, L+1]. EOS is kept even when the text is truncated, as KerasHub does.
+    """
+    width = sequence_length + 1
+    ids = np.full((len(texts), width), tokenizer.pad_id, np.int32)
+    mask = np.zeros((len(texts), width), bool)
+    for row, text in enumerate(texts):
+        body = tokenizer.encode(text, bos=False)[: width - 2]
+        seq = [tokenizer.bos_id] + body + [tokenizer.eos_id]
+        ids[row, : len(seq)] = seq
+        mask[row, : len(seq)] = True
+    return ids, mask
+
+
+def batch_indices(num_examples: int, global_batch: int, step: int, seed: int) -> np.ndarray:
+    """Row indices of the global batch at `step`: a slice of the endless stream of per-epoch
+    permutations (epoch e shuffled with (seed, e)). Pure in its arguments, hence resumable."""
+    start, stop = step * global_batch, (step + 1) * global_batch
+    out = []
+    for epoch in range(start // num_examples, (stop - 1) // num_examples + 1):
+        perm = np.random.default_rng([seed, epoch]).permutation(num_examples)
+        lo, hi = max(start - epoch * num_examples, 0), min(stop - epoch * num_examples, num_examples)
+        out.append(perm[lo:hi])
+    return np.concatenate(out)
+
+
+def host_batch(ids: np.ndarray, mask: np.ndarray, step: int, *, batch_size: int,
+               accum_steps: int = 1, seed: int = 0, process_index: int = 0,
+               process_count: int = 1) -> dict:
+    """This host's rows of the global batch at `step`.
+
+    The global batch is accum_steps * batch_size rows; each micro-batch of `batch_size` rows is
+    split into `process_count` contiguous blocks and this host keeps block `process_index`.
+    -> {"token_ids", "padding_mask"}: [b, L+1], or [A, b, L+1] when accum_steps > 1,
+    with b = batch_size // process_count.
+    """
+    if batch_size % process_count:
+        raise UserError(f"--batch_size={batch_size} is not divisible by {process_count} hosts")
+    idx = batch_indices(len(ids), batch_size * accum_steps, step, seed).reshape(accum_steps, batch_size)
+    local = batch_size // process_count
+    idx = idx[:, process_index * local:(process_index + 1) * local]
+    batch = {"token_ids": ids[idx], "padding_mask": mask[idx]}
+    return batch if accum_steps > 1 else {k: v[0] for k, v in batch.items()}

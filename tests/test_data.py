@@ -1,0 +1,132 @@
+"""Instruction files (CSV/JSONL/JSON), malformed rows, clear errors, packing, batching, built-ins."""
+import json
+
+import numpy as np
+import pytest
+
+from jaxlm import data
+from jaxlm.errors import UserError
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text, encoding="utf-8")
+    return str(p)
+
+
+def test_csv_with_quotes_multiline_and_extra_columns(tmp_path):
+    path = write(tmp_path, "d.csv", 'id,instruction,output\n1,"Say ""hi""","hi\nthere"\n2,Add 1+1,2\n')
+    r = data.read_records(path)
+    assert r.instructions == ['Say "hi"', "Add 1+1"] and r.outputs == ["hi\nthere", "2"]
+    assert r.skipped == 0 and r.report(path) is None
+    texts = data.format_examples(r)
+    assert texts[1] == "Instruction:\nAdd 1+1\n\nResponse:\n2"  # the seed's template
+
+
+def test_malformed_rows_are_counted_and_skipped(tmp_path):
+    lines = [json.dumps({"instruction": "a", "output": "b"}),
+             "{not json",
+             json.dumps({"instruction": "c"}),
+             json.dumps({"instruction": ["x"], "output": "y"}),
+             json.dumps(["a list"]),
+             json.dumps({"instruction": "", "output": "y"}),
+             "",
+             json.dumps({"instruction": "n", "output": 42})]
+    path = write(tmp_path, "d.jsonl", "\n".join(lines))
+    r = data.read_records(path)
+    assert r.instructions == ["a", "n"] and r.outputs == ["b", "42"]
+    assert r.skipped == 5
+    assert r.reasons == {"bad JSON line": 1, "missing output": 1, "non-text instruction": 1,
+                         "line is not an object": 1, "empty instruction": 1}
+    line = r.report(path)
+    assert "\n" not in line and "skipped 5" in line and "kept 2" in line
+
+
+def test_csv_short_row_is_malformed(tmp_path):
+    path = write(tmp_path, "d.csv", "instruction,output\nonly one field\nq,a\n")
+    r = data.read_records(path)
+    assert r.instructions == ["q"] and r.skipped == 1
+
+
+def test_json_list_custom_columns_and_limit(tmp_path):
+    rows = [{"prompt": f"p{i}", "answer": f"a{i}"} for i in range(5)]
+    path = write(tmp_path, "d.json", json.dumps({"data": rows}))
+    r = data.read_records(path, "prompt", "answer", limit=3)
+    assert r.instructions == ["p0", "p1", "p2"]
+
+
+@pytest.mark.parametrize("name,text,needle", [
+    ("empty.csv", "", "is empty"),
+    ("cols.csv", "question,answer\nq,a\n", "found: 'question', 'answer'"),
+    ("cols.jsonl", '{"question": "q", "answer": "a"}\n', "found: 'answer', 'question'"),
+    ("header.csv", "instruction,output\n", "no usable rows"),
+    ("bad.json", "{oops", "not valid JSON"),
+    ("notes.txt", "hello", "unsupported data format"),
+])
+def test_clear_errors(tmp_path, name, text, needle):
+    path = write(tmp_path, name, text)
+    with pytest.raises(UserError) as e:
+        data.read_records(path)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_file():
+    with pytest.raises(UserError, match="does not exist"):
+        data.read_records("/nonexistent/x.csv")
+
+
+def test_template_checks():
+    assert data.check_template("Q: {instruction}\nA: {output}")
+    for bad in ("{instruction} {response}", "{instruction} only", "{output} {"):
+        with pytest.raises(UserError):
+            data.check_template(bad)
+
+
+def test_pack_matches_keras_start_end_packer(spm_tokenizer):
+    """BOS + tokens + EOS at sequence_length + 1, right-padded; EOS kept when truncating."""
+    import keras_hub
+    texts = ["the quick brown fox", "a much longer line of text that will certainly be truncated here"]
+    ids, mask = data.pack(spm_tokenizer, texts, 8)
+    pre = keras_hub.models.GemmaCausalLMPreprocessor(
+        keras_hub.models.GemmaTokenizer(proto=spm_tokenizer.proto), sequence_length=8)
+    x, y, sw = pre(texts)
+    np.testing.assert_array_equal(ids[:, :-1], np.asarray(x["token_ids"]))
+    np.testing.assert_array_equal(mask[:, :-1], np.asarray(x["padding_mask"]))
+    np.testing.assert_array_equal(ids[:, 1:], np.asarray(y))
+    np.testing.assert_array_equal(mask[:, 1:], np.asarray(sw))
+    assert ids[1, -1] == spm_tokenizer.eos_id
+
+
+def test_batches_are_a_pure_function_of_step():
+    n, b = 10, 4
+    seen = np.concatenate([data.batch_indices(n, b, s, seed=3) for s in range(5)])
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
+    assert not np.array_equal(seen[:10], seen[10:20])  # a new shuffle each epoch
+    np.testing.assert_array_equal(data.batch_indices(n, b, 3, seed=3), seen[12:16])
+    assert not np.array_equal(data.batch_indices(n, b, 0, seed=4), seen[:4])
+
+
+def test_hosts_split_the_global_batch():
+    ids = np.arange(40).reshape(20, 2)
+    mask = np.ones_like(ids, bool)
+    full = data.host_batch(ids, mask, 1, batch_size=8, accum_steps=2, seed=0)
+    parts = [data.host_batch(ids, mask, 1, batch_size=8, accum_steps=2, seed=0,
+                             process_index=i, process_count=2) for i in range(2)]
+    assert full["token_ids"].shape == (2, 8, 2) and parts[0]["token_ids"].shape == (2, 4, 2)
+    np.testing.assert_array_equal(np.concatenate([p["token_ids"] for p in parts], 1), full["token_ids"])
+
+
+def test_builtin_dataset_is_deterministic_and_checkable():
+    train, held = data.builtin_dataset()
+    train2, held2 = data.builtin_dataset()
+    assert train.instructions == train2.instructions and held.outputs == held2.outputs
+    assert len(train) + len(held) == 400 and len(held) == 40
+    assert not set(train.instructions) & set(held.instructions)
+    for ins, out in zip(train.instructions + held.instructions, train.outputs + held.outputs):
+        if ins.startswith("What is ") and " + " in ins:
+            a, b = ins[len("What is "):-1].split(" + ")
+            assert int(out) == int(a) + int(b)
+        if ins.startswith("Reverse the word: "):
+            assert out[::-1] == ins.split(": ")[1]
+    assert data.exact_match(" 12\nInstruction: more", "12")
+    assert not data.exact_match("123", "12") and not data.exact_match("", "12")
