@@ -8,6 +8,7 @@ The public face (see ARCHITECTURE.md, "Public API contract"):
     jaxlm.summary(model, params)
 """
 from jaxlm.errors import UserError
+from jaxlm.generate import generate
 from jaxlm.loading import load, save
 from jaxlm.summary import summary
 from jaxlm.tokenizer import Tokenizer, load_tokenizer

@@ -1,0 +1,189 @@
+"""Compiled KV-cache decoding on token ids: one prefill pass, then a `lax.while_loop`.
+
+This is the token-level API under `jaxlm.generate` (text in, text out):
+
+    ids, mask = decode.generate_ids(model, params, token_ids [B, T], lengths [B], max_length)
+    # ids [B, max_length] int32: prompt + completion, right-padded with pad (0) after a stop;
+    # mask [B, max_length] bool: True for the prompt and the completion up to and including the
+    # first generated stop token (KerasHub's returned `padding_mask`).
+
+Semantics are KerasHub's `CausalLM.generate_step` (reference §3.3): the loop starts at
+index = min(row lengths) with one scalar cache index for the whole batch; each step feeds the
+token at index-1 and writes position `index`, keeping the prompt token for rows still inside
+their prompt. So each row of a ragged batch decodes exactly as it would alone (its position-p
+token only ever attends to its own positions < p) and the cache needs no per-row index.
+Rows stop independently (they then emit pad); the loop ends at max_length or when all rows
+have stopped.
+
+No recompilation when only the prompts change: batch, prompt length and total length are
+bucketed to powers of two, max_length and the stop ids are traced (not static), and one jitted
+function per (model, sampler, buckets, mesh) is kept in `_compiled`'s cache. `TRACES` counts
+traces (= compilations) for tests.
+
+Streaming: `stream(position, tokens)` receives, after each step, the new token of every row
+(np.int32 [B], -1 for rows still inside their prompt or already stopped). It is a
+`jax.debug.callback` inside the loop: one device->host round trip per step, which on CPU costs
+tens of microseconds and on an accelerator stalls the device for the host's turn each token.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxlm import sampling
+from jaxlm.errors import UserError
+
+Stream = Callable[[int, np.ndarray], None]
+TRACES = 0  # incremented each time a decode function is traced, i.e. compiled
+MIN_PROMPT_BUCKET = 16
+MIN_TOTAL_BUCKET = 32
+_STOP_SLOTS = 8  # stop ids are a traced [8] array (-1 = unused), so changing them never recompiles
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    return 1 << (max(n, minimum) - 1).bit_length()
+
+
+def generate_ids(model, params, token_ids, lengths, max_length: int, sampler="greedy",
+                 seed: int = 0, stop_token_ids=(), *, mesh: Mesh | None = None,
+                 stream: Stream | None = None):
+    """Decode right-padded prompts [B, T] (BOS included) of `lengths` [B] up to `max_length`.
+
+    -> (ids [B, max_length] int32, mask [B, max_length] bool), numpy. See the module docstring.
+    """
+    sampler = sampling.resolve(sampler)
+    token_ids = np.asarray(token_ids, np.int32)
+    lengths = np.asarray(lengths, np.int32).reshape(-1)
+    b = token_ids.shape[0]
+    if b == 0 or token_ids.ndim != 2 or lengths.shape[0] != b:
+        raise UserError(f"expected token_ids [B, T] with B >= 1 and lengths [B]; got "
+                        f"{token_ids.shape} and {lengths.shape}")
+    if lengths.min() < 1 or lengths.max() > token_ids.shape[1]:
+        raise UserError(f"lengths must be in [1, {token_ids.shape[1]}] (the token_ids width); "
+                        f"got {lengths.tolist()}")
+    if lengths.max() > max_length:
+        raise UserError(f"a prompt has {int(lengths.max())} tokens (BOS included) but "
+                        f"max_length={max_length}; raise max_length or shorten the prompt")
+    stop = [int(s) for s in (stop_token_ids or ())]
+    if len(stop) > _STOP_SLOTS:
+        raise UserError(f"at most {_STOP_SLOTS} stop token ids are supported; got {len(stop)}")
+
+    batch_axis = 1 if mesh is None else mesh.shape["batch"]
+    bb = max(bucket(b), batch_axis)
+    bb = -(-bb // batch_axis) * batch_axis
+    total = bucket(max_length, MIN_TOTAL_BUCKET)
+    plen = min(bucket(int(lengths.max()), MIN_PROMPT_BUCKET), total)
+
+    # Filler rows repeat row 0, so they change neither min(lengths) nor when the loop ends.
+    prompt = np.zeros((bb, plen), np.int32)
+    width = min(plen, token_ids.shape[1])
+    prompt[:b, :width] = token_ids[:, :width]
+    prompt[b:] = prompt[0]
+    rows = np.concatenate([lengths, np.full(bb - b, lengths[0], np.int32)])
+    prompt[np.arange(plen)[None, :] >= rows[:, None]] = 0
+    stops = np.full((_STOP_SLOTS,), -1, np.int32)
+    stops[:len(stop)] = stop
+    args = (prompt, rows, np.int32(max_length), jax.random.key(seed), stops)
+    if mesh is not None:
+        data = NamedSharding(mesh, P("batch"))
+        rep = NamedSharding(mesh, P())
+        args = (jax.device_put(prompt, data), jax.device_put(rows, data),
+                *(jax.device_put(a, rep) for a in args[2:]))
+
+    fn = _compiled(model, sampler, bb, plen, total, stream is not None, mesh)
+    with _streaming(stream, b):
+        ids, mask = fn(params, *args)
+        ids, mask = np.asarray(ids), np.asarray(mask)  # waits, so the callback is still set
+    return ids[:b, :max_length], mask[:b, :max_length]
+
+
+class _StreamSlot:  # not thread-local: XLA runs the host callback on its own thread
+    fn: Stream | None = None
+    rows: int = 0
+
+
+_STREAM = _StreamSlot()
+
+
+class _streaming:
+    """Route the compiled function's debug callback to this call's `stream` (the compiled
+    function is shared between calls, so the callback itself cannot close over it)."""
+
+    def __init__(self, fn, rows):
+        self.fn, self.rows = fn, rows
+
+    def __enter__(self):
+        _STREAM.fn, _STREAM.rows = self.fn, self.rows
+
+    def __exit__(self, *exc):
+        _STREAM.fn = None
+
+
+def _emit(position, tokens):
+    if _STREAM.fn is not None:
+        _STREAM.fn(int(position), np.asarray(tokens)[:_STREAM.rows])
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming: bool,
+              mesh: Mesh | None):
+    """One jitted prefill + decode loop for these static sizes (cached: see module docstring)."""
+    from models.gemma import init_cache  # only Gemma decodes; imported here to keep the
+    cfg = model.config                   # module importable for other families' tooling
+    kv_spec = None
+    if mesh is not None:
+        heads = "model" if cfg.num_kv_heads % mesh.shape["model"] == 0 else None
+        kv_spec = NamedSharding(mesh, P("batch", None, heads, None))
+
+    def run(params, prompt, lengths, max_length, key, stops):
+        """prompt [Bb, Pb], lengths [Bb] -> (ids [Bb, Tb], mask [Bb, Tb])."""
+        global TRACES
+        TRACES += 1
+        cache = init_cache(cfg, batch, total)
+        if kv_spec is not None:
+            cache = jax.lax.with_sharding_constraint(cache, kv_spec)
+        # Prefill: causal attention only (no key mask), as KerasHub's _build_cache; a row's
+        # slots past its prompt hold junk that the loop overwrites before anything reads it.
+        _, cache = model.apply({"params": params}, prompt, cache=cache, cache_index=0)
+        ids = jnp.zeros((batch, total), jnp.int32).at[:, :prompt_len].set(prompt)
+        positions = jnp.arange(total)
+        start = jnp.min(lengths)
+
+        def cond(state):
+            index, _, _, done, _ = state
+            return (index < max_length) & ~jnp.all(done)
+
+        def body(state):
+            index, ids, cache, done, stop_at = state
+            last = jax.lax.dynamic_slice_in_dim(ids, index - 1, 1, axis=1)  # [Bb, 1]
+            logits, cache = model.apply({"params": params}, last, cache=cache,
+                                        cache_index=index - 1)
+            token = sampler(logits[:, 0], jax.random.fold_in(key, index))
+            in_prompt = index < lengths
+            token = jnp.where(in_prompt, ids[:, index], jnp.where(done, 0, token))
+            ids = jax.lax.dynamic_update_slice_in_dim(ids, token[:, None], index, axis=1)
+            new = ~in_prompt & ~done
+            stopped = new & jnp.any(token[:, None] == stops[None, :], axis=-1)
+            stop_at = jnp.where(stopped, index, stop_at)
+            if streaming:
+                jax.debug.callback(_emit, index, jnp.where(new, token, -1))
+            return index + 1, ids, cache, done | stopped, stop_at
+
+        no_stop = jnp.full((batch,), total, jnp.int32)
+        state = (start, ids, cache, jnp.zeros((batch,), bool), no_stop)
+        end, ids, _, _, stop_at = jax.lax.while_loop(cond, body, state)
+        mask = (positions[None, :] < end) & (positions[None, :] <= stop_at[:, None])
+        return jnp.where(mask, ids, 0), mask
+
+    return jax.jit(run)
+
+
+def clear_cache() -> None:
+    """Drop every compiled decode function (e.g. to free their memory)."""
+    _compiled.cache_clear()
