@@ -1,0 +1,167 @@
+"""Gemma from llama.cpp GGUF files: metadata -> GemmaConfig, tensors -> our tree, vocab -> sentencepiece.
+
+The `gguf` package (llama.cpp's own reader) parses the file and dequantises the block formats
+(Q4_K, Q5_0, Q6_K, Q8_0, …) to float32; this module only maps names and layouts:
+
+    token_embd                 [V, H]      -> token_embedding/embeddings
+    blk.N.attn_q / attn_k / attn_v  [N*D, H] -> decoder_block_N/attention/{query,key,value}/kernel [N, H, D]
+    blk.N.attn_output          [H, N*D]    -> decoder_block_N/attention/attention_output/kernel [N, D, H]
+    blk.N.ffn_gate / ffn_up    [F, H]      -> decoder_block_N/ffw_gating / ffw_gating_2 [H, F]
+    blk.N.ffn_down             [H, F]      -> decoder_block_N/ffw_linear [F, H]
+    blk.N.attn_norm, ffn_norm, post_attention_norm, post_ffw_norm, attn_q_norm, attn_k_norm, output_norm
+
+(shapes as numpy reads them: the reverse of GGUF's `ne` order.) llama.cpp's Gemma converters
+store every RMSNorm weight as `1 + w` (`convert_hf_to_gguf.py`, Gemma*Model.modify_tensors); our
+RMSNorm multiplies by `(1 + scale)`, so norms are read back as `w - 1`. The test that pins this
+is the HF transformers comparison on the real model (tests/test_gguf.py).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from jaxlm.errors import UserError
+
+ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+
+_NORMS = {
+    "attn_norm": "pre_attention_norm/scale",
+    "ffn_norm": "pre_ffw_norm/scale",
+    "post_attention_norm": "post_attention_norm/scale",
+    "post_ffw_norm": "post_ffw_norm/scale",
+    "attn_q_norm": "attention/query_norm/scale",
+    "attn_k_norm": "attention/key_norm/scale",
+}
+
+
+def open_reader(path: str):
+    import gguf
+    if not os.path.exists(path):
+        raise UserError(f"GGUF file {path} does not exist")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/struct errors/IndexError on short files
+        raise UserError(f"{path} is truncated or not a GGUF file ({type(e).__name__}: {e}); "
+                        "download or assemble it again") from None
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UserError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    return reader
+
+
+def _field(reader, key, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def config_kwargs(reader) -> dict:
+    """GemmaConfig arguments from the GGUF metadata of a gemma / gemma2 / gemma3 file."""
+    arch = _field(reader, "general.architecture")
+    k = lambda name, default=None: _field(reader, f"{arch}.{name}", default)  # noqa: E731
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    head_dim = int(k("attention.key_length", k("embedding_length") // k("attention.head_count")))
+    kwargs = dict(
+        vocab_size=len(tokens), num_layers=int(k("block_count")), hidden_dim=int(k("embedding_length")),
+        ffw_dim=int(k("feed_forward_length")), num_heads=int(k("attention.head_count")),
+        num_kv_heads=int(k("attention.head_count_kv", k("attention.head_count"))), head_dim=head_dim,
+        norm_eps=float(k("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_base=float(k("rope.freq_base", 10_000.0)))
+    if arch == "gemma2":
+        kwargs.update(use_post_attention_norm=True, use_post_ffw_norm=True,
+                      attention_logit_soft_cap=k("attn_logit_softcapping", 50.0),
+                      final_logit_soft_cap=k("final_logit_softcapping", 30.0),
+                      sliding_window_size=int(k("attention.sliding_window", 4096)),
+                      sliding_window_pattern=2)
+    elif arch == "gemma3":
+        # Gemma 3 text: local layers use RoPE base 10k, global layers the file's freq_base (1M).
+        kwargs.update(use_post_attention_norm=True, use_post_ffw_norm=True, use_query_key_norm=True,
+                      sliding_window_size=int(k("attention.sliding_window", 1024)),
+                      sliding_window_pattern=6, local_rope_base=10_000.0)
+        scaling = k("rope.scaling.factor")
+        if scaling:
+            kwargs["global_rope_scaling_factor"] = float(scaling)
+    return kwargs
+
+
+def read_params(reader, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
+    """{our path: float32 numpy} for every tensor of the file (dequantised)."""
+    import gguf
+    out = {}
+    for t in reader.tensors:
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        except Exception as e:
+            raise UserError(f"cannot read tensor {t.name} ({t.tensor_type.name}): {e}; "
+                            "the file is truncated or uses an unsupported quantisation") from None
+        name = t.name.removesuffix(".weight")
+        if name == "token_embd":
+            out["token_embedding/embeddings"] = w
+        elif name == "output_norm":
+            out["final_normalization/scale"] = w - 1.0
+        elif name == "output":
+            continue  # an untied copy of the embedding some converters add; Gemma ties them
+        elif name.startswith("blk."):
+            _, i, part = name.split(".", 2)
+            out.update(_block_tensor(f"decoder_block_{int(i)}", part, w, num_heads, num_kv_heads, head_dim))
+        else:
+            raise UserError(f"unexpected tensor {t.name} in a Gemma GGUF file")
+    return out
+
+
+def _block_tensor(block, part, w, n, k, d):
+    if part in _NORMS:
+        return {f"{block}/{_NORMS[part]}": w - 1.0}
+    h = w.shape[-1]
+    if part in ("attn_q", "attn_k", "attn_v"):
+        heads = n if part == "attn_q" else k
+        name = {"attn_q": "query", "attn_k": "key", "attn_v": "value"}[part]
+        return {f"{block}/attention/{name}/kernel": w.reshape(heads, d, h).transpose(0, 2, 1)}
+    if part == "attn_output":
+        return {f"{block}/attention/attention_output/kernel": w.T.reshape(n, d, w.shape[0])}
+    if part in ("ffn_gate", "ffn_up", "ffn_down"):
+        name = {"ffn_gate": "ffw_gating", "ffn_up": "ffw_gating_2", "ffn_down": "ffw_linear"}[part]
+        return {f"{block}/{name}/kernel": np.ascontiguousarray(w.T)}
+    raise UserError(f"unexpected tensor blk.?.{part} in a Gemma GGUF file")
+
+
+def tokenizer_proto(reader) -> bytes:
+    """Rebuild the sentencepiece model from the GGUF vocabulary (tokens, scores, types)."""
+    from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    scores = _field(reader, "tokenizer.ggml.scores")
+    types = _field(reader, "tokenizer.ggml.token_type")
+    if _field(reader, "tokenizer.ggml.model") != "llama":
+        raise UserError("only sentencepiece ('llama') GGUF vocabularies are supported")
+    m = sp_pb2.ModelProto()
+    m.trainer_spec.model_type = sp_pb2.TrainerSpec.BPE  # Gemma's vocabulary is a sentencepiece BPE model
+    m.trainer_spec.vocab_size = len(tokens)
+    m.trainer_spec.byte_fallback = True
+    m.trainer_spec.unk_id = int(_field(reader, "tokenizer.ggml.unknown_token_id", 3))
+    m.trainer_spec.bos_id = int(_field(reader, "tokenizer.ggml.bos_token_id", 2))
+    m.trainer_spec.eos_id = int(_field(reader, "tokenizer.ggml.eos_token_id", 1))
+    m.trainer_spec.pad_id = int(_field(reader, "tokenizer.ggml.padding_token_id", 0))
+    m.trainer_spec.unk_piece, m.trainer_spec.bos_piece = "<unk>", "<bos>"
+    m.trainer_spec.eos_piece, m.trainer_spec.pad_piece = "<eos>", "<pad>"
+    m.normalizer_spec.name = "identity"
+    m.normalizer_spec.add_dummy_prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", False))
+    m.normalizer_spec.remove_extra_whitespaces = False
+    m.normalizer_spec.escape_whitespaces = True
+    # llama.cpp uses sentencepiece's type enum, with two departures undone here so encoding equals
+    # the original tokenizer (checked against HF transformers on the same file): user-defined
+    # pieces carry literal spaces where sentencepiece matches escaped "▁", and markup tokens such
+    # as <start_of_turn> are CONTROL (never matched in text) where users expect them parsed.
+    special = {m.trainer_spec.bos_id, m.trainer_spec.eos_id, m.trainer_spec.pad_id}
+    for i, (tok, score, typ) in enumerate(zip(tokens, scores, types)):
+        typ = int(typ)
+        if i == m.trainer_spec.unk_id:
+            typ = sp_pb2.ModelProto.SentencePiece.UNKNOWN
+        elif typ == sp_pb2.ModelProto.SentencePiece.CONTROL and i not in special:
+            typ = sp_pb2.ModelProto.SentencePiece.USER_DEFINED
+        if typ == sp_pb2.ModelProto.SentencePiece.USER_DEFINED:
+            tok = tok.replace(" ", "\u2581")
+        piece = m.pieces.add()
+        piece.piece, piece.score, piece.type = tok, float(score), typ
+    return m.SerializeToString()
