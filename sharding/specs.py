@@ -181,12 +181,13 @@ def named_shardings(params: dict, rules, mesh) -> dict:
     return _named(partition_specs(params, rules, mesh), mesh)
 
 
-def placement(mesh, rules):
+def placement(mesh, rules, *, quiet: bool = False):
     """-> `place(path, shape) -> NamedSharding`, for `jaxlm.load(..., placement=place)`.
 
-    It sees one tensor at a time, so it cannot tell a rule that matches nothing (run
-    `partition_specs` on the abstract params for that check); a non-dividing dim is warned
-    about once per rule, naming the first tensor it hit.
+    It sees one tensor at a time, so it cannot tell a rule that matches nothing: run
+    `partition_specs` on the abstract params first for that check and the one-line report,
+    then place with quiet=True. Otherwise a non-dividing dim is warned about once per rule,
+    naming the first tensor it hit.
     """
     compiled = _compile(rules)
     warned: set = set()
@@ -197,7 +198,7 @@ def placement(mesh, rules):
         regex, spec = compiled[i]
         dropped: list = []
         entries = _fit(_entries(spec, shape, path, regex.pattern), shape, mesh, path, dropped)
-        if dropped and i not in warned:
+        if dropped and not quiet and i not in warned:
             warned.add(i)
             _warn(dropped, suffix=f" (and in later tensors matching {regex.pattern!r})")
         return NamedSharding(mesh, _spec(entries))

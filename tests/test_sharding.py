@@ -190,3 +190,9 @@ def test_placement_warns_once_per_rule(caplog):
     assert "attention/key/kernel dim 0 (1)" in caplog.text
     with pytest.raises(ValueError, match="rank 2"):
         place("decoder_block_0/attention/query/kernel", (4, 128))
+    caplog.clear()
+    quiet = sharding.placement(mesh, sharding.rules_for(model.config, "keras"), quiet=True)
+    with caplog.at_level(logging.WARNING, logger="sharding"):
+        assert quiet("decoder_block_0/attention/key/kernel", (1, 128, 32)).spec == \
+            P(None, "batch", None)
+    assert not caplog.records
