@@ -1,0 +1,162 @@
+"""`python train.py` flags, parsed into a frozen `Args`, with every bad value a one-line UserError."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from jaxlm.errors import UserError
+
+# The random-init toy default learns slowly through rank-4 adapters at the seed's 5e-5; these
+# make its loss visibly fall in a couple of minutes on a laptop CPU (see README, "Training").
+TOY_LEARNING_RATE = 1e-2
+TOY_STEPS = 200
+TOY_SEQUENCE_LENGTH = 40   # every built-in example (BOS + text + EOS) fits
+DATA_SEQUENCE_LENGTH = 512  # the seed's `preprocessor.sequence_length = 512`
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print usage + exit; we want one line, exit 2
+        raise UserError(f"{message} (see python train.py --help)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="train.py", description="Fine-tune Gemma (LoRA or full) on a device mesh.",
+                allow_abbrev=False)
+    a = p.add_argument
+    a("--task", default="lm", choices=["lm", "mlm"], help="lm: causal LM fine-tuning; mlm: RoBERTa MLM")
+    a("--mesh", default="auto", help="DxM devices on (batch, model), e.g. 1x8; auto = 1xN")
+    a("--layout", default=None, help="sharding table: seed (the article's) | keras (get_layout_map)")
+    a("--print_sharding", action="store_true", help="list every parameter's shape and spec")
+    a("--preset", default="gemma_tiny",
+      help="Keras preset folder, jaxlm folder or built-in name (gemma_tiny: random toy model)")
+    a("--dtype", default=None, help="parameter/compute dtype (default float32 on CPU, bfloat16 else)")
+    a("--remat", action="store_true", help="recompute block activations in the backward pass")
+    a("--lora_rank", type=int, default=4, help="LoRA rank; 0 = full fine-tuning")
+    a("--lora_alpha", type=float, default=None, help="LoRA alpha (default: rank, scale 1)")
+    a("--lora_targets", default=None, help="comma-separated regexes over parameter paths")
+    a("--data", default=None, help="CSV/JSONL/JSON with instruction/output columns "
+                                   "(default: the built-in checkable dataset)")
+    a("--instruction_column", default="instruction")
+    a("--output_column", default="output")
+    a("--template", default=None, help=r'default "Instruction:\n{instruction}\n\nResponse:\n{output}"')
+    a("--limit", type=int, default=1000, help="use the first N good rows (0 = all)")
+    a("--sequence_length", type=int, default=None,
+      help=f"tokens per example (default {DATA_SEQUENCE_LENGTH} with --data, "
+           f"{TOY_SEQUENCE_LENGTH} built-in)")
+    a("--steps", type=int, default=None, help=f"default: 1 epoch with --data, {TOY_STEPS} built-in")
+    a("--epochs", type=float, default=None)
+    a("--batch_size", type=int, default=8, help="global batch (per optimizer step, per micro-batch)")
+    a("--accum_steps", type=int, default=1, help="micro-batches accumulated per optimizer step")
+    a("--learning_rate", type=float, default=None,
+      help=f"default 5e-5 (the seed's); {TOY_LEARNING_RATE} for the random toy default")
+    a("--weight_decay", type=float, default=0.01)
+    a("--warmup_steps", type=int, default=0)
+    a("--schedule", default="constant", choices=["constant", "cosine"])
+    a("--clip_norm", type=float, default=1.0, help="global-norm clipping; 0 disables")
+    a("--seed", type=int, default=0)
+    a("--out", default="runs/default", help="checkpoints, metrics.jsonl and exports go here")
+    a("--save_every", type=int, default=50)
+    a("--keep", type=int, default=3, help="checkpoints kept")
+    a("--log_every", type=int, default=10)
+    a("--export", default="adapters", choices=["adapters", "merged"],
+      help="merged: also write the merged model (jaxlm folder + Keras preset)")
+    a("--prompt", action="append", default=None, help="prompt shown before/after (repeatable)")
+    a("--num_samples", type=int, default=3, help="held-out prompts shown before/after (0: none)")
+    a("--eval_examples", type=int, default=40, help="held-out examples for exact match (0: skip)")
+    a("--max_new_tokens", type=int, default=None,
+      help="generation budget for samples and eval (default 12 built-in, 128 with --data)")
+    return p
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    task: str
+    mesh: str
+    layout: str | None
+    print_sharding: bool
+    preset: str
+    dtype: str | None
+    remat: bool
+    lora_rank: int
+    lora_alpha: float | None
+    lora_targets: tuple | None
+    data: str | None
+    instruction_column: str
+    output_column: str
+    template: str | None
+    limit: int
+    sequence_length: int | None
+    steps: int | None
+    epochs: float | None
+    batch_size: int
+    accum_steps: int
+    learning_rate: float | None
+    weight_decay: float
+    warmup_steps: int
+    schedule: str
+    clip_norm: float
+    seed: int
+    out: str
+    save_every: int
+    keep: int
+    log_every: int
+    export: str
+    prompt: tuple | None
+    num_samples: int
+    eval_examples: int
+    max_new_tokens: int | None
+
+
+def parse(argv: list[str]) -> Args:
+    ns = vars(parser().parse_args(argv))
+    if ns["lora_targets"] is not None:
+        ns["lora_targets"] = tuple(t for t in ns["lora_targets"].split(",") if t)
+    if ns["template"] is not None:  # a shell passes "\n" literally
+        ns["template"] = ns["template"].replace("\\n", "\n").replace("\\t", "\t")
+    if ns["prompt"] is not None:
+        ns["prompt"] = tuple(ns["prompt"])
+    args = Args(**ns)
+    _check(args)
+    return args
+
+
+def _check(a: Args) -> None:
+    positive = {"--batch_size": a.batch_size, "--accum_steps": a.accum_steps,
+                "--save_every": a.save_every, "--keep": a.keep, "--log_every": a.log_every}
+    if a.max_new_tokens is not None:
+        positive["--max_new_tokens"] = a.max_new_tokens
+    if a.sequence_length is not None:
+        positive["--sequence_length"] = a.sequence_length
+    if a.steps is not None:
+        positive["--steps"] = a.steps
+    for flag, v in positive.items():
+        if v < 1:
+            raise UserError(f"{flag}={v} must be >= 1")
+    if a.lora_rank < 0:
+        raise UserError(f"--lora_rank={a.lora_rank} must be >= 0 (0 = full fine-tuning)")
+    if a.lora_rank == 0 and (a.lora_alpha is not None or a.lora_targets):
+        raise UserError("--lora_alpha/--lora_targets need --lora_rank > 0")
+    if a.steps is not None and a.epochs is not None:
+        raise UserError("give --steps or --epochs, not both")
+    if a.epochs is not None and a.epochs <= 0:
+        raise UserError(f"--epochs={a.epochs} must be > 0")
+    if a.sequence_length is not None and a.sequence_length < 2:
+        raise UserError(f"--sequence_length={a.sequence_length} must be >= 2 (BOS + EOS)")
+    for flag, v in (("--limit", a.limit), ("--eval_examples", a.eval_examples),
+                    ("--num_samples", a.num_samples),
+                    ("--warmup_steps", a.warmup_steps), ("--weight_decay", a.weight_decay),
+                    ("--clip_norm", a.clip_norm)):
+        if v < 0:
+            raise UserError(f"{flag}={v} must be >= 0")
+    if a.learning_rate is not None and a.learning_rate <= 0:
+        raise UserError(f"--learning_rate={a.learning_rate} must be > 0")
+
+
+def fingerprint(a: Args) -> dict:
+    """The flags that change the training trajectory; a resumed run must match them."""
+    keys = ("preset", "dtype", "lora_rank", "lora_alpha", "lora_targets", "data",
+            "instruction_column", "output_column", "template", "limit", "sequence_length",
+            "batch_size", "accum_steps", "learning_rate", "weight_decay", "warmup_steps",
+            "schedule", "clip_norm", "seed")
+    d = dataclasses.asdict(a)
+    return {k: (list(d[k]) if isinstance(d[k], tuple) else d[k]) for k in keys}
