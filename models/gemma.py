@@ -1,4 +1,5 @@
-"""Gemma (v1) decoder in Flax Linen, numerically matching KerasHub's `GemmaBackbone`.
+"""Gemma 1, 2 and 3 (text) decoders in Flax Linen, numerically matching KerasHub's
+`GemmaBackbone` (Gemma 1 and 2) and `Gemma3Backbone`.
 
 Parameter paths mirror KerasHub's `variable.path` so the layout map and LoRA targets read the
 same in both worlds::
@@ -14,13 +15,17 @@ same in both worlds::
     decoder_block_{i}/ffw_gating_2/kernel               [H, F]   (linear branch)
     decoder_block_{i}/ffw_linear/kernel                 [F, H]
     final_normalization/scale                           [H]
+    Gemma 2/3 add decoder_block_{i}/{post_attention_norm,post_ffw_norm}/scale [H];
+    Gemma 3 adds decoder_block_{i}/attention/{query_norm,key_norm}/scale [D].
 
 Shapes: B batch, T query length, S key length, V vocabulary, H hidden, N query heads,
 K key/value heads, G = N // K queries per KV head, D head dim, F FFN width.
 
-The config already names the Gemma 2/3 switches (post norms, soft-caps, sliding window,
-QK-norm) so presets and converters have one place to put them; the module refuses them until
-they are implemented rather than silently ignoring them.
+The families differ only by config switches: post-sublayer norms, attention and final-logit
+soft-caps (Gemma 2), sliding-window local layers interleaved with global ones
+(`sliding_window_pattern`: every pattern-th layer is global; Gemma 2: 2, Gemma 3: 6) with their
+own RoPE base (Gemma 3: local 10k, global 1M), and RMSNorm on queries and keys before RoPE
+(Gemma 3).
 """
 from __future__ import annotations
 
@@ -50,13 +55,17 @@ class GemmaConfig:
     rope_base: float = 10_000.0
     dtype: str = "float32"  # parameters and compute; norms and softmax always run in float32
     remat: bool = False  # recompute each block's activations in the backward pass (saves memory)
-    # Gemma 2/3 switches: named now, implemented later (the module rejects them today).
+    # Gemma 2 / 3 switches.
     use_post_attention_norm: bool = False
     use_post_ffw_norm: bool = False
     attention_logit_soft_cap: float | None = None
     final_logit_soft_cap: float | None = None
-    sliding_window_size: int | None = None
+    sliding_window_size: int | None = None  # None: every layer is global
+    sliding_window_pattern: int = 2  # layer i is global iff (i + 1) % pattern == 0
+    local_rope_base: float | None = None  # RoPE base of local layers (None: rope_base)
+    global_rope_scaling_factor: float = 1.0  # linear RoPE scaling of global layers (Gemma 3 4B+)
     use_query_key_norm: bool = False
+    query_pre_attn_scalar: float | None = None  # queries scaled by its -1/2 power (None: head_dim)
 
     family = "gemma"
 
@@ -71,12 +80,17 @@ class GemmaConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def is_local(self, layer: int) -> bool:
+        return self.sliding_window_size is not None and (layer + 1) % self.sliding_window_pattern != 0
+
     @property
     def num_params(self) -> int:
         """Closed-form count (KerasHub's formula); tests check it against `jax.eval_shape`."""
         v, h, n, k, d, f, l = (self.vocab_size, self.hidden_dim, self.num_heads,
                                self.num_kv_heads, self.head_dim, self.ffw_dim, self.num_layers)
-        return v * h + l * (2 * n * h * d + 2 * k * h * d + 3 * h * f + 2 * h) + h
+        norms = 2 + self.use_post_attention_norm + self.use_post_ffw_norm
+        per_layer = 2 * n * h * d + 2 * k * h * d + 3 * h * f + norms * h + 2 * d * self.use_query_key_norm
+        return v * h + l * per_layer + h
 
 
 PRESETS: dict[str, GemmaConfig] = {
@@ -94,6 +108,7 @@ PRESETS["gemma_instruct_7b_en"] = PRESETS["gemma_7b_en"]
 
 class Attention(nn.Module):
     config: GemmaConfig
+    local: bool = False  # a sliding-window layer (its mask is chosen by the caller)
 
     @nn.compact
     def __call__(self, x, positions, mask, cache=None, cache_index=None):
@@ -109,9 +124,16 @@ class Attention(nn.Module):
         key = layers.Einsum((k, h, d), dtype, name="key")("BSH,KHD->BSKD", x)
         value = layers.Einsum((k, h, d), dtype, name="value")("BSH,KHD->BSKD", x)
 
-        q = layers.rope(q, positions, cfg.rope_base)
-        key = layers.rope(key, positions, cfg.rope_base)
-        q = q * jnp.asarray(1.0 / math.sqrt(d), q.dtype)
+        if cfg.use_query_key_norm:
+            q = layers.RMSNorm(cfg.norm_eps, name="query_norm")(q)
+            key = layers.RMSNorm(cfg.norm_eps, name="key_norm")(key)
+        if self.local:
+            base, scale = cfg.local_rope_base or cfg.rope_base, 1.0
+        else:
+            base, scale = cfg.rope_base, cfg.global_rope_scaling_factor
+        q = layers.rope(q, positions, base, scale)
+        key = layers.rope(key, positions, base, scale)
+        q = q * jnp.asarray(1.0 / math.sqrt(cfg.query_pre_attn_scalar or d), q.dtype)
 
         if cache is not None:
             key = jax.lax.dynamic_update_slice_in_dim(cache["k"], key.astype(cache["k"].dtype),
@@ -120,7 +142,7 @@ class Attention(nn.Module):
                                                         cache_index, axis=1)
             cache = {"k": key, "v": value}
 
-        out = layers.grouped_attention(q, key, value, mask)  # [B, T, N, D]
+        out = layers.grouped_attention(q, key, value, mask, cfg.attention_logit_soft_cap)  # [B, T, N, D]
         out = layers.Einsum((n, d, h), dtype, name="attention_output")("BTND,NDH->BTH", out)
         return out, cache
 
@@ -140,16 +162,21 @@ def feed_forward(cfg: GemmaConfig, x):
 
 class DecoderBlock(nn.Module):
     config: GemmaConfig
+    local: bool = False
 
     @nn.compact
     def __call__(self, x, positions, mask, cache=None, cache_index=None):
         cfg = self.config
         normed = layers.RMSNorm(cfg.norm_eps, name="pre_attention_norm")(x)
-        attn, cache = Attention(cfg, name="attention")(normed, positions, mask, cache, cache_index)
+        attn, cache = Attention(cfg, self.local, name="attention")(normed, positions, mask, cache, cache_index)
+        if cfg.use_post_attention_norm:  # Gemma 2/3: normalise the sublayer output before the residual
+            attn = layers.RMSNorm(cfg.norm_eps, name="post_attention_norm")(attn)
         x = x + attn
         normed = layers.RMSNorm(cfg.norm_eps, name="pre_ffw_norm")(x)
-        x = x + feed_forward(cfg, normed)
-        return x, cache
+        ffw = feed_forward(cfg, normed)
+        if cfg.use_post_ffw_norm:
+            ffw = layers.RMSNorm(cfg.norm_eps, name="post_ffw_norm")(ffw)
+        return x + ffw, cache
 
 
 class Gemma(nn.Module):
@@ -167,17 +194,11 @@ class Gemma(nn.Module):
 
     def setup(self):
         cfg = self.config
-        unsupported = [f for f in ("use_post_attention_norm", "use_post_ffw_norm",
-                                   "attention_logit_soft_cap", "final_logit_soft_cap",
-                                   "sliding_window_size", "use_query_key_norm")
-                       if getattr(cfg, f)]
-        if unsupported:
-            raise NotImplementedError(f"Gemma 2/3 features are not implemented yet: {unsupported}")
         self.token_embedding = layers.Embedding(cfg.vocab_size, cfg.hidden_dim,
                                                 jnp.dtype(cfg.dtype), name="token_embedding")
         # Explicit names keep KerasHub's `decoder_block_{i}` paths.
         block = nn.remat(DecoderBlock, static_argnums=(5,)) if cfg.remat else DecoderBlock
-        self.blocks = [block(cfg, name=f"decoder_block_{i}") for i in range(cfg.num_layers)]
+        self.blocks = [block(cfg, cfg.is_local(i), name=f"decoder_block_{i}") for i in range(cfg.num_layers)]
         self.final_normalization = layers.RMSNorm(cfg.norm_eps, name="final_normalization")
 
     def __call__(self, token_ids, padding_mask=None, *, return_hidden=False,
@@ -197,17 +218,24 @@ class Gemma(nn.Module):
         key_positions = jnp.arange(t if cache is None else cache_size(cache))
         # Causal AND key padding; padded queries are left unmasked (as KerasHub) and ignored by the loss.
         mask = (positions[:, :, None] >= key_positions[None, None, :]) & padding_mask[:, None, :]
+        if cfg.sliding_window_size is not None:  # local layers see keys in (t - W, t]
+            local_mask = mask & (positions[:, :, None] - key_positions[None, None, :] < cfg.sliding_window_size)
         positions = jnp.broadcast_to(positions, (b, t))
 
         new_cache = {} if cache is not None else None
         for i, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache[f"decoder_block_{i}"]
-            x, layer_cache = block(x, positions, mask, layer_cache, cache_index)
+            x, layer_cache = block(x, positions, local_mask if block.local else mask, layer_cache, cache_index)
             if cache is not None:
                 new_cache[f"decoder_block_{i}"] = layer_cache
         x = self.final_normalization(x)
-        out = x if return_hidden else self.token_embedding.attend(x)
+        out = x if return_hidden else soft_cap(self.token_embedding.attend(x), cfg.final_logit_soft_cap)
         return out if cache is None else (out, new_cache)
+
+
+def soft_cap(logits, cap: float | None):
+    """tanh(logits / cap) * cap (Gemma 2's final-logit cap); identity when cap is None."""
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
 
 
 def cache_size(cache: Cache) -> int:

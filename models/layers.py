@@ -57,14 +57,15 @@ class Embedding(nn.Module):
         return jnp.einsum("BTH,VH->BTV", x.astype(self.dtype), self.embeddings.astype(self.dtype))
 
 
-def rope(x, positions, base: float):
+def rope(x, positions, base: float, scaling_factor: float = 1.0):
     """Half-split rotary embedding. x [B, T, N, D], positions [B, T] -> [B, T, N, D].
 
-    inv_freq[i] = base^(-2i/D); out = x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1].
+    inv_freq[i] = base^(-2i/D) / scaling_factor (linear scaling, Gemma 3 global layers);
+    out = x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1].
     Angles in float32; cos/sin cast to x.dtype before the multiply (as KerasHub).
     """
     d = x.shape[-1]
-    inv_freq = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    inv_freq = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)) / scaling_factor
     ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     cos = jnp.cos(ang)[:, :, None, :].astype(x.dtype)
     sin = jnp.sin(ang)[:, :, None, :].astype(x.dtype)

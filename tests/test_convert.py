@@ -130,11 +130,15 @@ def test_existing_output_is_never_clobbered(preset, tmp_path, capsys):
     assert (out / "precious.txt").read_text() == "keep me"
 
 
-def test_gemma2_flags_are_refused_clearly(preset):
+def test_unsupported_gemma3_options_are_refused_clearly(preset):
     path, _ = preset
-    edit_config(path, lambda c: c["config"].update(use_post_attention_norm=True))
-    with pytest.raises(UserError, match="Gemma 2"):
-        model, params = jaxlm.load(path)
+
+    def to_vision(c):
+        c["registered_name"] = "keras_hub>Gemma3Backbone"
+        c["config"].update(use_query_key_norm=True, vision_encoder={"class_name": "Gemma3VisionEncoder"})
+    edit_config(path, to_vision)
+    with pytest.raises(UserError, match="vision_encoder"):
+        jaxlm.load(path)
 
 
 def test_real_cli_exit_code(tmp_path):
