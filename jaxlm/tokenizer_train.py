@@ -128,5 +128,8 @@ def main(argv: list[str]) -> int:
     sp = spm.SentencePieceProcessor(model_proto=proto)
     print(f"wrote {args.out}: Unigram, {sp.get_piece_size()} pieces "
           f"([CLS]=0 [SEP]=1 <unk>=2 <pad>=3 [MASK]=4)")
+    if sp.get_piece_size() < args.vocab_size:
+        print(f"note: the corpus supports only {sp.get_piece_size()} of the {args.vocab_size} pieces "
+              "asked for; a bigger corpus gives the full vocabulary")
     return 0
 

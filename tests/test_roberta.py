@@ -133,3 +133,14 @@ def test_too_long_sequence_is_refused():
     model, params = jaxlm.load("roberta_tiny")
     with pytest.raises(ValueError, match="max_sequence_length"):
         model.apply({"params": params}, jnp.zeros((1, 129), jnp.int32))
+
+
+def test_bfloat16_compute_on_float32_params():
+    """--bfloat16 training: the same float32 parameters, bfloat16 activations, close logits."""
+    from models.roberta import Roberta
+    model, params = jaxlm.load("roberta_tiny", dtype="float32")
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, 1024, (2, 16)), jnp.int32)
+    ref = model.apply({"params": params}, ids)
+    bf16 = Roberta(model.config.replace(dtype="bfloat16")).apply({"params": params}, ids)
+    assert bf16.dtype == jnp.bfloat16
+    assert np.max(np.abs(np.asarray(bf16, np.float32) - np.asarray(ref))) < 0.1
