@@ -41,7 +41,7 @@ def _fs(path: str):
     try:
         fs, _ = fsspec.core.url_to_fs(path)
     except ImportError as e:
-        raise UserError(f"cannot open {path}: {e} (for gs:// run `pip install gcsfs`)") from None
+        raise UserError(f"cannot open {path}: {e}") from None
     return fs
 
 
@@ -171,6 +171,8 @@ def write_shards(tokenizer, lines: Iterable[str], out: str, *, max_length: int =
         raise UserError(f"--shard_size {shard_size} must be positive")
     if not 0 <= validation_fraction < 1:
         raise UserError(f"--validation_fraction {validation_fraction} must be in [0, 1)")
+    if _is_url(out):
+        _fs(out)  # a missing path library (gcsfs for gs://) fails before any tokenizing
     writers = {"train": ShardWriter(join(out, "train"), shard_size)}
     if validation_fraction > 0:
         writers["validation"] = ShardWriter(join(out, "validation"), shard_size)
