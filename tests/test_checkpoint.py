@@ -1,4 +1,4 @@
-"""Orbax checkpoints: keep-N, exact restore onto the mesh, crash leftovers never loaded."""
+"""Orbax checkpoints: keep-N, exact restore onto the mesh, crash leftovers never loaded; exports."""
 import logging
 import os
 
@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import sharding
 from jaxlm import checkpoint
 from jaxlm.errors import UserError
+from test_train_cli import finished, launch
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +98,39 @@ def test_save_tree_round_trip(tmp_path, mesh):
     back = checkpoint.load_tree(str(tmp_path / "adapters"), like=tree)
     np.testing.assert_array_equal(np.asarray(back["w"]), np.asarray(tree["w"]))
     assert back["w"].sharding.spec == P(None, "model")
+
+
+def test_merged_export_sharding_listing_and_full_finetune(tmp_path):
+    import jaxlm
+    from jaxlm import lora
+
+    quick = ["--mesh=1x8", "--steps=3", "--batch_size=8", "--sequence_length=16",
+             "--eval_examples=0", "--num_samples=0", "--learning_rate=0.05"]
+    merged_run = launch(quick + ["--lora_rank=4", "--print_sharding", "--export=merged",
+                                 f"--out={tmp_path}/lora"])
+    full_run = launch(quick + ["--lora_rank=0", "--remat", "--dtype=bfloat16", "--layout=keras",
+                               f"--out={tmp_path}/full"])
+    out = finished(merged_run)
+    assert "RANDOMLY INITIALISED" in out
+    listing = [l for l in out.splitlines() if l.startswith("token_embedding/embeddings ")]
+    assert listing and "8 shards of (4096, 16)" in listing[0]
+    assert any(l.startswith("decoder_block_1/attention/query/lora_a") and "8 shards" in l
+               for l in out.splitlines())
+    assert "Trainable params: 5,632" in out
+
+    # merged folder == base (same seed) + exported .lora.h5 adapters
+    base_model, base = jaxlm.load("gemma_tiny", seed=0)
+    adapters = lora.load_keras_lora(f"{tmp_path}/lora/adapters.lora.h5", base_model.config, base)
+    _, merged = jaxlm.load(f"{tmp_path}/lora/merged")
+    want = lora.merge(base, adapters)
+    for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert not np.array_equal(np.asarray(merged["decoder_block_0"]["attention"]["query"]["kernel"]),
+                              np.asarray(base["decoder_block_0"]["attention"]["query"]["kernel"]))
+    assert os.path.exists(f"{tmp_path}/lora/merged_keras/config.json")
+
+    out = finished(full_run)
+    assert "Non-trainable params: 0" in out
+    _, full = jaxlm.load(f"{tmp_path}/full/merged", dtype="bfloat16")
+    assert full["token_embedding"]["embeddings"].dtype == np.dtype("bfloat16")
+    assert not os.path.exists(f"{tmp_path}/full/adapters.lora.h5")

@@ -134,8 +134,6 @@ def run(a: cli.Args) -> int:
     if a.remat:
         model = type(model)(model.config.replace(remat=True))
     param_specs = sharding.partition_specs(params, rules, mesh)
-    if a.print_sharding:
-        print(sharding.format_sharding(params))
 
     if a.lora_rank:
         try:
@@ -151,6 +149,12 @@ def run(a: cli.Args) -> int:
         merge = lambda f, t: lora.merge(f, t, alpha=a.lora_alpha)  # noqa: E731
     else:
         trainable, frozen, merge, adapters = params, None, None, None
+    if a.print_sharding:
+        print(f"sharding on the {mesh.shape['batch']}x{mesh.shape['model']} (batch, model) mesh, "
+              f"layout {a.layout or sharding.DEFAULT_LAYOUT[config.family]}:")
+        print(sharding.format_sharding(frozen if a.lora_rank else params))
+        if adapters is not None:
+            print(sharding.format_sharding(adapters))
     jaxlm.summary(base_model, frozen if a.lora_rank else params, trainable=adapters)
 
     ocfg = optim.OptimConfig(learning_rate=a.learning_rate, weight_decay=a.weight_decay,
