@@ -43,6 +43,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         f"--data={csv}": "found: 'question', 'answer'",
         "--steps=5 --epochs=1": "not both",
         "--no_such_flag": "unrecognized arguments",
+        "--lora_targets=.*nothing/kernel": "matches no parameter",
+        "--layout=diagonal": "diagonal",
     }
     procs = {}
     for case in cases:
@@ -64,6 +66,13 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         assert proc.returncode == 2, (case, out[-2000:], err[-2000:])
         assert len(lines) == 1 and lines[0].startswith("error: "), (case, err)
         assert cases[case] in lines[0], (case, lines[0])
+
+
+def test_task_mlm_is_dispatched():
+    """--task=mlm hands the other flags to jaxlm.mlm (which asks for its own required flags)."""
+    proc = launch(["--task=mlm", "--mesh=1x2"])
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "--tokenizer" in err and "--task" not in err.split("error:")[-1]
 
 
 def final_adapters(out_dir):
@@ -110,4 +119,9 @@ def test_kill_9_then_rerun_equals_uninterrupted(tmp_path):
     steps = [int(l.split('"step": ')[1].split(",")[0])
              for l in open(os.path.join(crashed, "metrics.jsonl"))]
     assert steps[-1] == 30
+
+    # the same --out with a flag that changes the trajectory is refused, not silently mixed
+    proc = launch(TINY + [f"--out={crashed}", "--learning_rate=0.5"])
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "flags differ: learning_rate" in err, err[-2000:]
 

@@ -127,7 +127,11 @@ def run(a: cli.Args) -> int:
     train, held, ids, mask = load_data(a, tokenizer)  # bad data fails before the model loads
     steps = num_steps(a, len(train), toy and not a.data)
 
-    rules = sharding.rules_for(config, a.layout)
+    try:
+        rules = sharding.rules_for(config, a.layout)
+        sharding.partition_specs(jaxlm.load(a.preset, a.dtype, abstract=True)[1], rules, mesh)
+    except ValueError as e:  # a bad --layout or a rule that fits no parameter
+        raise UserError(str(e)) from None
     model, params = jaxlm.load(a.preset, a.dtype, placement=sharding.placement(mesh, rules),
                                seed=a.seed)
     base_model = model
