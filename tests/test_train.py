@@ -157,3 +157,17 @@ def test_bfloat16_and_remat_match_float32(model_params, mesh):
     assert state["trainable"]["decoder_block_0"]["attention"]["query"]["lora_a"].dtype == jnp.float32
     np.testing.assert_allclose(float(m["loss"]), float(ref["loss"]), rtol=2e-2)
     np.testing.assert_allclose(float(m["grad_norm"]), float(ref["grad_norm"]), rtol=0.1)
+
+
+def test_step_count_and_defaults():
+    from jaxlm.train import cli, lm
+    a = cli.parse(["--batch_size=4", "--accum_steps=2"])
+    assert lm.num_steps(a, 100, toy_default=True) == cli.TOY_STEPS
+    assert lm.num_steps(a, 100, toy_default=False) == 13  # one epoch of 8-row optimizer steps
+    assert lm.num_steps(cli.parse(["--epochs=2.5", "--batch_size=4"]), 100, False) == 63
+    toy = lm.resolve_defaults(cli.parse([]), toy=True)
+    real = lm.resolve_defaults(cli.parse(["--data=x.csv"]), toy=False)
+    assert (toy.learning_rate, toy.sequence_length) == (cli.TOY_LEARNING_RATE, cli.TOY_SEQUENCE_LENGTH)
+    assert (real.learning_rate, real.sequence_length) == (5e-5, 512)
+    assert real.template == "Instruction:\n{instruction}\n\nResponse:\n{output}"
+    assert cli.parse([r"--template=Q: {instruction}\nA: {output}"]).template == "Q: {instruction}\nA: {output}"

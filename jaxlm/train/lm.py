@@ -11,7 +11,6 @@ import math
 import os
 
 import jax
-import numpy as np
 
 import jaxlm
 import sharding
@@ -182,7 +181,10 @@ def run(a: cli.Args) -> int:
                             f"{', '.join(diff)}); use another --out or the same flags")
         print(f"resuming from step {meta['step']} ({a.out}/checkpoints/{meta['step']}, "
               f"data position {meta['data_position']})")
-        before = json.load(open(before_path)) if os.path.exists(before_path) else {}
+        before = {}
+        if os.path.exists(before_path):
+            with open(before_path) as f:
+                before = json.load(f)
     else:
         before = evaluator("before", base_model, frozen if a.lora_rank else state["trainable"],
                            state["trainable"] if a.lora_rank else None)
