@@ -6,6 +6,9 @@ A jaxlm folder (written by `python -m jaxlm.convert` or `save`) is::
     params/           an orbax checkpoint of the parameter tree
     tokenizer/        vocabulary.spm (or the family's tokenizer files)
 
+A llama.cpp `.gguf` file (Gemma 1/2/3), or a folder holding exactly one, is dequantised to
+float and mapped onto the same tree (jaxlm/convert/gguf.py).
+
 `placement(path, shape) -> Sharding` puts each tensor straight onto its device(s) as it is read
 or created; without it, tensors land on the default device.
 """
@@ -33,8 +36,15 @@ def default_dtype() -> str:
 
 
 def resolve(path: str, dtype: str | None = None):
-    """-> (kind, family, config) without reading any weights; kind in {"preset", "keras", "jaxlm"}."""
+    """-> (kind, family, config) without reading weights; kind in {"preset", "keras", "jaxlm", "gguf"}."""
+    path = os.fspath(path)
     dtype = str(jnp.dtype(dtype)) if dtype is not None else default_dtype()
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        from jaxlm.convert import gguf
+        family = families.by_name("gemma")
+        kwargs = gguf.config_kwargs(gguf.open_reader(gguf_file))
+        return "gguf", family, family.config_cls(**kwargs, dtype=dtype)
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, FOLDER_META)):
             with open(os.path.join(path, FOLDER_META)) as f:
@@ -57,6 +67,21 @@ def resolve(path: str, dtype: str | None = None):
                     f"built-in presets: {', '.join(families.all_presets())}")
 
 
+def find_gguf(path: str) -> str | None:
+    """The .gguf file `path` names, or the single one inside folder `path`; else None."""
+    if path.endswith(".gguf"):
+        if not os.path.exists(path):
+            raise UserError(f"GGUF file {path} does not exist")
+        return path
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        found = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(found) > 1:
+            raise UserError(f"{path} holds several .gguf files ({', '.join(found)}); pass one of them")
+        if found:
+            return os.path.join(path, found[0])
+    return None
+
+
 def abstract_params(module, config) -> dict:
     """{path: ShapeDtypeStruct} of a model's parameters, computed without allocating them."""
     ids = jnp.zeros((1, 1), jnp.int32)
@@ -74,6 +99,7 @@ def load(path: str, dtype: str | None = None, abstract: bool = False, *,
       tensors replace the preset's, e.g. a fine-tuned GemmaCausalLM on top of its preset.
     seed: random init of a built-in preset name.
     """
+    path = os.fspath(path)
     kind, family, config = resolve(path, dtype)
     model = family.module_cls(config)
     shapes = abstract_params(model, config)
@@ -90,6 +116,8 @@ def load(path: str, dtype: str | None = None, abstract: bool = False, *,
         params = keras_preset.read_params(family, config, files, shapes, placement)
     elif kind == "jaxlm":
         params = _restore_folder_params(path, shapes, placement)
+    elif kind == "gguf":
+        params = _read_gguf_params(find_gguf(path), config, shapes, placement)
     else:
         params = init_params(model, shapes, placement, seed)
     return model, params
@@ -118,6 +146,24 @@ def save(out_dir: str, model, params: dict, tokenizer=None) -> None:
         json.dump({"family": family.name, "config": config, "format": 1}, f, indent=2)
     if tokenizer is not None:
         tokenizer.save(os.path.join(out_dir, "tokenizer"))
+
+
+def _read_gguf_params(path: str, config, shapes: dict, placement: Placement | None) -> dict:
+    from jaxlm.convert import gguf
+    flat = gguf.read_params(gguf.open_reader(path), config.num_layers, config.num_heads,
+                            config.num_kv_heads, config.head_dim)
+    if set(flat) != set(shapes):
+        missing, extra = sorted(set(shapes) - set(flat)), sorted(set(flat) - set(shapes))
+        raise UserError(f"{path} does not match its own metadata (missing {missing[:3]}, "
+                        f"unexpected {extra[:3]}); the file is damaged or not a Gemma model")
+    out = {}
+    for p, spec in shapes.items():
+        arr = flat.pop(p)
+        if arr.shape != tuple(spec.shape):
+            raise UserError(f"GGUF tensor for {p} has shape {arr.shape}, expected {tuple(spec.shape)}")
+        arr = arr.astype(spec.dtype)
+        out[p] = jax.device_put(arr, placement(p, arr.shape)) if placement else jax.device_put(arr)
+    return unflatten(out)
 
 
 def _restore_folder_params(path: str, shapes: dict, placement: Placement | None) -> dict:

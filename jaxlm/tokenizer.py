@@ -72,8 +72,15 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str):
-    """A tokenizer from a Keras preset, a jaxlm folder, a `.spm`/`.model` file or a built-in preset name."""
+    """A tokenizer from a Keras preset, a jaxlm folder, a `.spm`/`.model` file, a `.gguf` file
+    (its vocabulary rebuilt as a sentencepiece model) or a built-in preset name."""
     from jaxlm import families
+    from jaxlm.loading import find_gguf
+    path = os.fspath(path)
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        from jaxlm.convert import gguf
+        return Tokenizer(gguf.tokenizer_proto(gguf.open_reader(gguf_file)))
     if not os.path.exists(path):
         if families.preset(path) is not None:
             fam, cfg = families.preset(path)

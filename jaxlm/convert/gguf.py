@@ -67,7 +67,8 @@ def config_kwargs(reader) -> dict:
         vocab_size=len(tokens), num_layers=int(k("block_count")), hidden_dim=int(k("embedding_length")),
         ffw_dim=int(k("feed_forward_length")), num_heads=int(k("attention.head_count")),
         num_kv_heads=int(k("attention.head_count_kv", k("attention.head_count"))), head_dim=head_dim,
-        norm_eps=float(k("attention.layer_norm_rms_epsilon", 1e-6)),
+        # stored as float32: its shortest repr recovers the intended 1e-06
+        norm_eps=float(str(np.float32(k("attention.layer_norm_rms_epsilon", 1e-6)))),
         rope_base=float(k("rope.freq_base", 10_000.0)))
     if arch == "gemma2":
         kwargs.update(use_post_attention_norm=True, use_post_ffw_norm=True,
