@@ -31,8 +31,8 @@ def test_greedy_matches_kerashub_strings(gemma):
     ours = generate(model, params, tok, PROMPTS, max_length=MAX_LENGTH, strip_prompt=True)
     assert ours == list(causal.generate(PROMPTS, max_length=MAX_LENGTH, strip_prompt=True))
     assert all(ours)  # something was generated
-    one = generate(model, params, tok, PROMPTS[0], max_length=MAX_LENGTH)
-    assert isinstance(one, str) and one == causal.generate(PROMPTS[0], max_length=MAX_LENGTH)
+    one = generate(model, params, tok, PROMPTS[0], max_length=MAX_LENGTH, strip_prompt=True)
+    assert isinstance(one, str) and one == ours[0]
 
 
 def test_stops_at_eos_per_row_like_kerashub(gemma):
