@@ -170,4 +170,6 @@ def test_step_count_and_defaults():
     assert (toy.learning_rate, toy.sequence_length) == (cli.TOY_LEARNING_RATE, cli.TOY_SEQUENCE_LENGTH)
     assert (real.learning_rate, real.sequence_length) == (5e-5, 512)
     assert real.template == "Instruction:\n{instruction}\n\nResponse:\n{output}"
+    full = lm.resolve_defaults(cli.parse(["--lora_rank=0"]), toy=True)
+    assert full.learning_rate == cli.TOY_FULL_LEARNING_RATE
     assert cli.parse([r"--template=Q: {instruction}\nA: {output}"]).template == "Q: {instruction}\nA: {output}"

@@ -34,7 +34,8 @@ def resolve_defaults(a: cli.Args, toy: bool) -> cli.Args:
     return dataclasses.replace(
         a,
         sequence_length=a.sequence_length or (cli.DATA_SEQUENCE_LENGTH if a.data else cli.TOY_SEQUENCE_LENGTH),
-        learning_rate=a.learning_rate or (cli.TOY_LEARNING_RATE if toy else 5e-5),
+        learning_rate=a.learning_rate or (5e-5 if not toy else cli.TOY_LEARNING_RATE if a.lora_rank
+                                          else cli.TOY_FULL_LEARNING_RATE),
         template=a.template or data.TEMPLATE,
         max_new_tokens=a.max_new_tokens or (128 if a.data else 12))
 
@@ -122,6 +123,10 @@ def run(a: cli.Args) -> int:
     if toy:
         print(f"NOTE: {a.preset} is a built-in config with RANDOMLY INITIALISED weights: a toy to "
               "exercise the pipeline, not a trained model. Pass --preset=PATH for real weights.")
+        if a.lora_rank:
+            print("NOTE: adapters on a random base learn little (its frozen tied embedding keeps the "
+                  "logits within about +-2, so the loss cannot go much below ~6.3); "
+                  "--lora_rank=0 --steps=400 shows real learning.")
     tokenizer = jaxlm.load_tokenizer(a.preset)
     train, held, ids, mask = load_data(a, tokenizer)  # bad data fails before the model loads
     steps = num_steps(a, len(train), toy and not a.data)
@@ -205,8 +210,13 @@ def run(a: cli.Args) -> int:
         return {k: jax.make_array_from_process_local_data(batch_shd, v) for k, v in local.items()}
 
     global_batch = a.batch_size * a.accum_steps
-    print(f"training {steps} steps of {global_batch} examples x {a.sequence_length} tokens on a "
-          f"{mesh.shape['batch']}x{mesh.shape['model']} mesh, learning rate {a.learning_rate:g}")
+    done = int(jax.device_get(state["step"]))
+    if done >= steps:
+        print(f"already trained to step {done} (of {steps}); nothing left to run")
+    else:
+        print(f"training steps {done + 1}..{steps} of {global_batch} examples x {a.sequence_length} "
+              f"tokens on a {mesh.shape['batch']}x{mesh.shape['model']} mesh, learning rate "
+              f"{a.learning_rate:g}")
     state, history = loop.run(step_fn, state, frozen, get_batch, num_steps=steps, mngr=mngr,
                      save_every=a.save_every, log_every=a.log_every,
                      meta=lambda s: {"step": s, "data_position": s * global_batch,
