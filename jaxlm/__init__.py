@@ -6,11 +6,15 @@ The public face (see ARCHITECTURE.md, "Public API contract"):
     logits = model.apply({"params": params}, token_ids, padding_mask)
     tokenizer = jaxlm.load_tokenizer(path)
     jaxlm.summary(model, params)
+    texts = jaxlm.generate(model, params, tokenizer, prompts, max_length=64)
+    adapters = jaxlm.lora.init(params, rank=4, key=jax.random.key(0))
+    merged = jaxlm.lora.merge(params, adapters)
 """
+from jaxlm import lora
 from jaxlm.errors import UserError
 from jaxlm.generate import generate
 from jaxlm.loading import load, save
 from jaxlm.summary import summary
 from jaxlm.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["UserError", "load", "save", "summary", "Tokenizer", "load_tokenizer"]
+__all__ = ["UserError", "generate", "load", "lora", "save", "summary", "Tokenizer", "load_tokenizer"]

@@ -22,6 +22,9 @@ class Family:
     config_to_keras: Callable[[Any], dict]  # -> the whole config.json object
     keras_paths: Callable[[Any], dict[str, str]]  # our param path -> H5 group holding it ("…/vars/0")
     keras_tasks: tuple[str, ...] = ()
+    # Extra files a Keras preset of this family needs (e.g. RoBERTa's task.json, without which
+    # KerasHub ignores task.weights.h5); called last by `keras_preset.write_preset`.
+    write_extras: Callable[[Any, str], None] | None = None
 
 
 FAMILIES: dict[str, Family] = {}

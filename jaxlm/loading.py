@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Callable
 
 import jax
@@ -113,7 +114,17 @@ def load(path: str, dtype: str | None = None, abstract: bool = False, *,
                         f"{path} is a {'built-in preset' if kind == 'preset' else 'jaxlm folder'}")
     if kind == "keras":
         files = keras_preset.weight_files(path, weights)
-        params = keras_preset.read_params(family, config, files, shapes, placement)
+        task = keras_preset.task_paths(family, config)
+        if task and "task" not in files:
+            # A backbone-only preset: KerasHub's task from_preset initialises the head; so do we.
+            print(f"warning: {path} has no task.weights.h5; {len(task)} task weights "
+                  f"({sorted(task)[0]}, …) are randomly initialised", file=sys.stderr)
+            fresh = flatten(init_params(model, shapes, placement, seed))
+            params = flatten(keras_preset.read_params(
+                family, config, files, {p: s for p, s in shapes.items() if p not in task}, placement))
+            params = unflatten({**params, **{p: fresh[p] for p in task}})
+        else:
+            params = keras_preset.read_params(family, config, files, shapes, placement)
     elif kind == "jaxlm":
         params = _restore_folder_params(path, shapes, placement)
     elif kind == "gguf":

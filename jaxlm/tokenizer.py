@@ -84,6 +84,9 @@ def load_tokenizer(path: str):
     if not os.path.exists(path):
         if families.preset(path) is not None:
             fam, cfg = families.preset(path)
+            if fam.name != "gemma":
+                raise UserError(f"the built-in {path} has no tokenizer; train one with "
+                                "`python -m jaxlm.tokenizer train` or pass a preset folder")
             return default_tokenizer(cfg.vocab_size)
         raise UserError(f"tokenizer path {path} does not exist")
     if os.path.isdir(path):

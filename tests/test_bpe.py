@@ -73,12 +73,13 @@ def test_keras_assets_round_trip(bpe_files, tmp_path):
     """A jaxlm-written RoBERTa preset with our tokenizer loads as a KerasHub RobertaMaskedLM."""
     import jax
     import keras_hub
-    from jaxlm.convert import keras_roberta
+    from jaxlm import families
+    from jaxlm.convert import keras_preset
     from models.roberta import PRESETS, Roberta
     tok = load_bpe(bpe_files[0])
     cfg = PRESETS["roberta_tiny"].replace(vocab_size=tok.vocab_size, num_layers=1)
     params = Roberta(cfg).init(jax.random.key(0), np.zeros((1, 4), np.int32))["params"]
-    keras_roberta.write_preset(cfg, params, str(tmp_path), tok)
+    keras_preset.write_preset(families.by_name("roberta"), cfg, params, str(tmp_path), tok)
     assert os.path.exists(tmp_path / "assets" / "tokenizer" / "merges.txt")
     again = jaxlm.load_tokenizer(str(tmp_path))  # found through assets/tokenizer/
     assert isinstance(again, BPETokenizer) and again.vocabulary == tok.vocabulary

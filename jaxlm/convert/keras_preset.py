@@ -123,6 +123,11 @@ def _find_prefix(h5: h5py.File, key: str) -> str:
     return ""  # let the caller report the missing weight
 
 
+def task_paths(family, config) -> set[str]:
+    """Our parameter paths that live in task.weights.h5 (e.g. RoBERTa's masked-LM head)."""
+    return {p for p, k in family.keras_paths(config).items() if k.startswith(TASK_PREFIX)}
+
+
 def weight_files(preset_dir: str, weights: str | None = None) -> dict[str, str]:
     """The H5 sources of a preset; `weights` (a .weights.h5 from `save_weights`) overrides the model's."""
     files = {}
@@ -194,6 +199,8 @@ def write_preset(family, config, params: dict, out_dir: str, tokenizer=None) -> 
         "tasks": list(family.keras_tasks), "exported_by": "jaxlm"})
     if tokenizer is not None:
         tokenizer.save_keras_assets(out_dir)
+    if family.write_extras is not None:
+        family.write_extras(config, out_dir)
 
 
 def _write_json(path, obj):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 from jaxlm.errors import UserError
 from jaxlm.families import Family, register
@@ -112,41 +111,8 @@ def write_task_json(cfg: RobertaConfig, preset_dir: str) -> None:
         json.dump(task, f, indent=4)
 
 
-def write_preset(cfg: RobertaConfig, params: dict, out_dir: str, tokenizer=None) -> None:
-    """A Keras preset `keras_hub.models.RobertaMaskedLM.from_preset(out_dir)` loads, head included."""
-    from jaxlm.convert import keras_preset
-    keras_preset.write_preset(FAMILY, cfg, params, out_dir, tokenizer)
-    write_task_json(cfg, out_dir)
-
-
-def load_backbone_only(preset_dir: str, dtype: str | None = None, seed: int = 0):
-    """(model, params) from a preset without task.weights.h5: backbone read, MLM head random."""
-    import jax
-    from jaxlm import loading
-    from jaxlm.convert import keras_preset
-    from jaxlm.tree import flatten, unflatten
-    kind, family, cfg = loading.resolve(preset_dir, dtype)
-    if kind != "keras" or family is not FAMILY:
-        raise UserError(f"{preset_dir} is not a Keras RoBERTa preset")
-    model = Roberta(cfg)
-    shapes = loading.abstract_params(model, cfg)
-    backbone = {p: s for p, s in shapes.items() if not p.startswith("mlm_head/")}
-    files = keras_preset.weight_files(preset_dir)
-    params = flatten(keras_preset.read_params(family, cfg, files, backbone))
-    if "task" in files:
-        params.update(flatten(keras_preset.read_params(
-            family, cfg, files, {p: s for p, s in shapes.items() if p.startswith("mlm_head/")})))
-    else:
-        print(f"warning: {preset_dir} has no task.weights.h5; the masked-LM head is randomly "
-              "initialised (as RobertaMaskedLM.from_preset does)", file=sys.stderr)
-        fresh = flatten(loading.init_params(model, shapes, None, seed))
-        params.update({p: v for p, v in fresh.items() if p.startswith("mlm_head/")})
-    params = {p: jax.numpy.asarray(v, shapes[p].dtype) for p, v in params.items()}
-    # The head's decoder is tied to the token embeddings, so only its dense/LN/bias are new.
-    return model, unflatten(params)
-
-
 FAMILY = register(Family(
     name="roberta", config_cls=RobertaConfig, module_cls=Roberta, presets=PRESETS,
     keras_classes=("RobertaBackbone",), config_from_keras=config_from_keras,
-    config_to_keras=config_to_keras, keras_paths=keras_paths, keras_tasks=("MaskedLM",)))
+    config_to_keras=config_to_keras, keras_paths=keras_paths, keras_tasks=("MaskedLM",),
+    write_extras=write_task_json))
