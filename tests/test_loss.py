@@ -83,3 +83,17 @@ def test_no_full_logits_in_float32():
     jaxpr = str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(hidden, emb))
     assert f"f32[{b},{t},{v}]" not in jaxpr and f"bf16[{b},{t},{v}]" not in jaxpr
     assert f"f32[{b},8,{v}]" in jaxpr  # the chunk is there
+
+
+def test_final_logit_soft_cap_matches_the_model():
+    """Gemma 2's capped logits: the chunked loss caps per chunk exactly as the model does."""
+    cfg = CFG.replace(final_logit_soft_cap=0.5)  # small, so the cap changes the loss a lot
+    model = Gemma(cfg)
+    params = model.init(jax.random.key(1), jnp.zeros((1, 4), jnp.int32))["params"]
+    ids, mask = ragged_batch(cfg.vocab_size, [9, 6], 9, seed=2)
+    _, m = L.lm_loss_fn(model, chunk_size=4)(params, {"token_ids": ids, "padding_mask": mask}, None)
+    x, xm, y, sw = ids[:, :-1], mask[:, :-1], ids[:, 1:], mask[:, 1:]
+    naive = L.naive_cross_entropy(model.apply({"params": params}, x, xm), y, sw)
+    uncapped = L.naive_cross_entropy(Gemma(CFG).apply({"params": params}, x, xm), y, sw)
+    np.testing.assert_allclose(float(m["loss_sum"]), float(naive["loss_sum"]), rtol=1e-5)
+    assert abs(float(naive["loss_sum"]) - float(uncapped["loss_sum"])) > 1e-3

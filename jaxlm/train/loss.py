@@ -25,12 +25,14 @@ def shift(token_ids, padding_mask):
     return token_ids[:, :-1], padding_mask[:, :-1], token_ids[:, 1:], padding_mask[:, 1:]
 
 
-def chunked_cross_entropy(hidden, embeddings, targets, weights, *, chunk_size: int = 128) -> Metrics:
+def chunked_cross_entropy(hidden, embeddings, targets, weights, *, chunk_size: int = 128,
+                          logit_soft_cap: float | None = None) -> Metrics:
     """Sum of weighted CE (and argmax hits) of `hidden @ embeddings.T` against `targets`.
 
     hidden [B, T, H] (compute dtype), embeddings [V, H], targets int [B, T], weights [B, T].
     The projection runs in the compute dtype (as KerasHub's `ReversibleEmbedding`); logsumexp and
     the target logit are taken in float32, per chunk of `chunk_size` positions.
+    logit_soft_cap: Gemma 2's final cap, tanh(logits / cap) * cap, applied per chunk.
     """
     b, t, h = hidden.shape
     c = max(1, min(chunk_size, t))
@@ -48,6 +50,8 @@ def chunked_cross_entropy(hidden, embeddings, targets, weights, *, chunk_size: i
     @jax.checkpoint  # keep only hidden chunks as residuals, never the [B, C, V] logits
     def chunk(h_c, y_c, w_c):
         logits = jnp.einsum("BCH,VH->BCV", h_c, emb).astype(jnp.float32)
+        if logit_soft_cap is not None:
+            logits = jnp.tanh(logits / logit_soft_cap) * logit_soft_cap
         lse = jax.nn.logsumexp(logits, axis=-1)
         target_logit = jnp.take_along_axis(logits, y_c[..., None], axis=-1)[..., 0]
         ce = (lse - target_logit) * w_c
@@ -79,13 +83,16 @@ def lm_loss_fn(model, *, chunk_size: int = 128):
 
     batch: {"token_ids": int32 [B, T+1], "padding_mask": bool [B, T+1]} packed as KerasHub does
     (BOS + text + EOS, right-padded). The model is applied with `return_hidden=True`; the tied
-    embedding `params["token_embedding"]["embeddings"]` projects onto the vocabulary.
+    embedding `params["token_embedding"]["embeddings"]` projects onto the vocabulary, then the
+    config's `final_logit_soft_cap` (Gemma 2) applies, as in the model's own logits.
     """
+    cap = getattr(model.config, "final_logit_soft_cap", None)
+
     def loss_fn(params, batch, rng):
         del rng  # Gemma has no dropout; the argument keeps the signature shared with MLM
         inputs, input_mask, targets, weights = shift(batch["token_ids"], batch["padding_mask"])
         hidden = model.apply({"params": params}, inputs, input_mask, return_hidden=True)
         m = chunked_cross_entropy(hidden, params["token_embedding"]["embeddings"], targets, weights,
-                                  chunk_size=chunk_size)
+                                  chunk_size=chunk_size, logit_soft_cap=cap)
         return m["loss_sum"], m
     return loss_fn
