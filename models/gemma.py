@@ -120,9 +120,17 @@ class Attention(nn.Module):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         n, k, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim
-        q = layers.Einsum((n, h, d), dtype, name="query")("BTH,NHD->BTND", x)
-        key = layers.Einsum((k, h, d), dtype, name="key")("BSH,KHD->BSKD", x)
-        value = layers.Einsum((k, h, d), dtype, name="value")("BSH,KHD->BSKD", x)
+        # One new token per row (a decode step): heads are the batch dim of the dot, so XLA
+        # reads the [N, H, D] kernels in place instead of re-transposing them to [H, N*D] on
+        # every step of the decode loop (~6-9% of a CPU decode step). Same math; training and
+        # prefill keep the plain einsums (bit-identical to before).
+        step = cache is not None and x.shape[1] == 1
+        projs = [layers.Einsum((heads, h, d), dtype, name=name)
+                 for heads, name in ((n, "query"), (k, "key"), (k, "value"))]
+        if step:
+            q, key, value = (_per_head(proj, x) for proj in projs)
+        else:
+            q, key, value = (proj("BTH,NHD->BTND", x) for proj in projs)
 
         if cfg.use_query_key_norm:
             q = layers.RMSNorm(cfg.norm_eps, name="query_norm")(q)
@@ -143,8 +151,20 @@ class Attention(nn.Module):
             cache = {"k": key, "v": value}
 
         out = layers.grouped_attention(q, key, value, mask, cfg.attention_logit_soft_cap)  # [B, T, N, D]
-        out = layers.Einsum((n, d, h), dtype, name="attention_output")("BTND,NDH->BTH", out)
+        out_proj = layers.Einsum((n, d, h), dtype, name="attention_output")
+        if step:  # per-head partial outputs [N, B, H], summed over heads
+            out = out_proj("NBD,NDH->NBH", jnp.transpose(out[:, 0], (1, 0, 2))).sum(0)[:, None]
+        else:
+            out = out_proj("BTND,NDH->BTH", out)
         return out, cache
+
+
+def _per_head(proj, x):
+    """x [B, 1, H] -> [B, 1, heads, D] as a dot batched over heads (see Attention)."""
+    b, _, h = x.shape
+    heads = proj.shape[0]
+    xb = jnp.broadcast_to(x[:, 0][None], (heads, b, h))
+    return jnp.transpose(proj("NBH,NHD->NBD", xb), (1, 0, 2))[:, None]
 
 
 def feed_forward(cfg: GemmaConfig, x):
