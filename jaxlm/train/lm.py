@@ -193,8 +193,9 @@ def run(a: cli.Args) -> int:
     else:
         before = evaluator("before", base_model, frozen if a.lora_rank else state["trainable"],
                            state["trainable"] if a.lora_rank else None)
-        with open(before_path, "w") as f:
-            json.dump(before, f, indent=1)
+        if jax.process_index() == 0:
+            with open(before_path, "w") as f:
+                json.dump(before, f, indent=1)
 
     loss_fn = lm_loss_fn(model)
     batch_shd = micro_batch_sharding(mesh, a.accum_steps)
@@ -231,8 +232,9 @@ def run(a: cli.Args) -> int:
     trained = state["trainable"]
     after = evaluator("after", base_model, frozen if a.lora_rank else trained,
                       trained if a.lora_rank else None)
-    with open(os.path.join(a.out, "eval_after.json"), "w") as f:
-        json.dump(after, f, indent=1)
+    if jax.process_index() == 0:
+        with open(os.path.join(a.out, "eval_after.json"), "w") as f:
+            json.dump(after, f, indent=1)
     if "exact_match" in before and "exact_match" in after:
         print(f"exact match: {before['exact_match']:.1%} before -> {after['exact_match']:.1%} after")
     export(a, base_model, frozen if a.lora_rank else trained, trained if a.lora_rank else None,
@@ -243,16 +245,28 @@ def run(a: cli.Args) -> int:
 def export(a: cli.Args, model, params, adapters, tokenizer, family) -> None:
     """Adapters alone (orbax + KerasHub .lora.h5); with --export=merged the merged model too."""
     written = []
+    lead = jax.process_index() == 0  # orbax coordinates hosts itself; plain files: host 0 only
     if adapters is not None:
         checkpoint.save_tree(os.path.join(a.out, "adapters"), adapters)
-        lora.save_keras_lora(os.path.join(a.out, "adapters.lora.h5"), adapters, model.config,
-                             alpha=a.lora_alpha)
+        whole = adapters
+        if jax.process_count() > 1:  # small: gather the adapter shards every host holds
+            from jax.experimental import multihost_utils
+            whole = multihost_utils.process_allgather(adapters, tiled=True)
+        if lead:
+            lora.save_keras_lora(os.path.join(a.out, "adapters.lora.h5"), whole, model.config,
+                                 alpha=a.lora_alpha)
         written += ["adapters/", "adapters.lora.h5"]
     if adapters is None or a.export == "merged":
-        from jaxlm.convert.keras_preset import write_preset
         merged = params if adapters is None else jax.jit(
             lambda p, t: lora.merge(p, t, alpha=a.lora_alpha))(params, adapters)
         jaxlm.save(os.path.join(a.out, "merged"), model, merged, tokenizer)
-        write_preset(family, model.config, merged, os.path.join(a.out, "merged_keras"), tokenizer)
-        written += ["merged/ (jaxlm folder)", "merged_keras/ (Keras preset)"]
-    print(f"exported to {a.out}: {', '.join(written)}")
+        written.append("merged/ (jaxlm folder)")
+        if jax.process_count() == 1:
+            from jaxlm.convert.keras_preset import write_preset
+            write_preset(family, model.config, merged, os.path.join(a.out, "merged_keras"), tokenizer)
+            written.append("merged_keras/ (Keras preset)")
+        elif lead:  # a Keras .h5 needs every tensor whole on one host
+            print("multi-host run: convert merged/ to a Keras preset with "
+                  "`python -m jaxlm.convert --to-keras` on one machine")
+    if lead:
+        print(f"exported to {a.out}: {', '.join(written)}")
