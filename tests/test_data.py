@@ -130,3 +130,17 @@ def test_builtin_dataset_is_deterministic_and_checkable():
             assert out[::-1] == ins.split(": ")[1]
     assert data.exact_match(" 12\nInstruction: more", "12")
     assert not data.exact_match("123", "12") and not data.exact_match("", "12")
+
+
+def test_non_utf8_file_is_a_clear_error(tmp_path):
+    p = tmp_path / "latin1.csv"
+    p.write_bytes("instruction,output\ncaf\xe9,ok\n".encode("latin-1"))
+    with pytest.raises(UserError, match="cannot read .*expected UTF-8"):
+        data.read_records(str(p))
+
+
+def test_reading_stops_at_the_limit(tmp_path):
+    rows = "".join(f"q{i},a{i}\n" for i in range(5)) + "broken\n"
+    path = write(tmp_path, "d.csv", "instruction,output\n" + rows)
+    r = data.read_records(path, limit=5)
+    assert len(r) == 5 and r.skipped == 0  # the broken row after the limit is never read

@@ -94,7 +94,8 @@ def read_records(path: str, instruction_column: str = "instruction",
                  output_column: str = "output", limit: int | None = None) -> Records:
     """Read (instruction, output) pairs; malformed rows are counted in `skipped`, not raised.
 
-    limit: keep the first `limit` good rows (the seed's `data[:1000]`).
+    limit: keep the first `limit` good rows (the seed's `data[:1000]`); reading stops there, so
+      `skipped` counts the malformed rows met before it.
     Raises UserError for a missing or empty file, or one without the two columns.
     """
     if not os.path.isfile(path):
@@ -105,28 +106,28 @@ def read_records(path: str, instruction_column: str = "instruction",
     seen_columns: set[str] = set()
     wanted = (instruction_column, output_column)
     try:
-        items = list(_rows(path))
-    except (csv.Error, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read {path}: {e}; expected UTF-8 CSV with a header row") from None
-    for kind, item in items:
-        if kind == "columns":
+        for kind, item in _rows(path):
+            if kind == "columns":
+                seen_columns.update(item)
+                if not all(c in item for c in wanted):
+                    raise UserError(_columns_error(path, wanted, item))
+                continue
+            if kind == "bad":
+                out.skipped += 1
+                out.reasons[item] = out.reasons.get(item, 0) + 1
+                continue
             seen_columns.update(item)
-            if not all(c in item for c in wanted):
-                raise UserError(_columns_error(path, wanted, item))
-            continue
-        if kind == "bad":
-            out.skipped += 1
-            out.reasons[item] = out.reasons.get(item, 0) + 1
-            continue
-        seen_columns.update(item)
-        (ins, why1), (res, why2) = _value(item, instruction_column), _value(item, output_column)
-        if why1 or why2:
-            out.skipped += 1
-            out.reasons[why1 or why2] = out.reasons.get(why1 or why2, 0) + 1
-            continue
-        if limit is None or len(out) < limit:
+            (ins, why1), (res, why2) = _value(item, instruction_column), _value(item, output_column)
+            if why1 or why2:
+                out.skipped += 1
+                out.reasons[why1 or why2] = out.reasons.get(why1 or why2, 0) + 1
+                continue
             out.instructions.append(ins)
             out.outputs.append(res)
+            if limit is not None and len(out) >= limit:
+                break  # a 240k-row file is not parsed whole for its first 1000 rows
+    except (csv.Error, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}; expected UTF-8 CSV with a header row") from None
     if not len(out):
         if seen_columns and not all(c in seen_columns for c in wanted):
             raise UserError(_columns_error(path, wanted, sorted(seen_columns)))
