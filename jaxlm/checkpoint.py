@@ -97,8 +97,7 @@ def restore_latest(mngr: ocp.CheckpointManager, like_state: dict):
     if not steps:
         return None
     step = steps[-1]
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          like_state)
+    target = abstract_like(like_state)
     try:
         out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                          meta=ocp.args.JsonRestore()))

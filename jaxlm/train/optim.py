@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import optax
 
 from jaxlm.tree import flatten, unflatten
@@ -59,7 +58,3 @@ def make_optimizer(cfg: OptimConfig = OptimConfig()) -> optax.GradientTransforma
         return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
     return adamw
 
-
-def learning_rate_at(cfg: OptimConfig, step) -> float:
-    """The scheduled learning rate at `step` (for logging)."""
-    return float(jax.device_get(schedule(cfg)(step)))
