@@ -30,14 +30,37 @@ def simulate_cpu_devices(argv) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if m and "xla_force_host_platform_device_count" not in flags:
         n = int(m.group(1)) * int(m.group(2))
+        from jaxlm.distributed import num_processes_hint
+        hosts = num_processes_hint(argv)  # several processes share the mesh's devices
+        if hosts > 1 and n % hosts == 0:
+            n //= hosts
         if n > 1:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def start_processes(argv):
+    """Join the other hosts' processes (jaxlm.distributed) when asked; -> argv without its flags.
+
+    Every process must run the same command (else their collectives would not match and hang);
+    only process 0 prints progress."""
+    from jaxlm import distributed
+    from jaxlm.errors import cli
+
+    @cli
+    def start(argv):
+        settings, argv = distributed.from_argv(argv)
+        if distributed.initialize(settings):
+            distributed.check_same({"command line": argv})
+            distributed.quiet_followers()
+        return argv
+    return start(argv)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     simulate_cpu_devices(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    argv = start_processes(argv)
     task = _flag(argv, "task") or "lm"
     if task == "mlm":
         from jaxlm.mlm import main as mlm_main

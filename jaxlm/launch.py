@@ -1,0 +1,150 @@
+"""Try a multi-host run on one machine: N local processes stand in for N hosts.
+
+    python -m jaxlm.launch --num_processes=2 --devices_per_process=4 -- \\
+        python train.py --mesh=1x8 --lora_rank=4 --steps=20
+
+Each child gets the `jaxlm.distributed` settings in its environment (JAX_COORDINATOR_ADDRESS on
+127.0.0.1 and a free port, JAXLM_NUM_PROCESSES, JAXLM_PROCESS_ID) and, with
+--devices_per_process, that many simulated CPU devices (XLA_FLAGS) and JAX_PLATFORMS=cpu, so
+jax.devices() is the global N * devices_per_process. Output is streamed line by line prefixed
+with `[pI]`. If one process fails, the others are stopped and the launcher exits with its code;
+Ctrl-C stops them all. On real hosts run the command once per host instead (see README).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from jaxlm.errors import UserError, cli
+
+GRACE_S = 5.0  # SIGTERM, then SIGKILL
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    if "--" not in argv:
+        raise UserError("give the command after --, e.g. python -m jaxlm.launch --num_processes=2 "
+                        "-- python train.py --mesh=1x8")
+    cut = argv.index("--")
+    p = argparse.ArgumentParser(prog="python -m jaxlm.launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num_processes", type=int, default=2)
+    p.add_argument("--devices_per_process", type=int, default=0,
+                   help="simulated CPU devices per process (0: leave the platform alone)")
+    p.add_argument("--coordinator_address", default=None, help="default 127.0.0.1:<free port>")
+    p.add_argument("--initialization_timeout", type=int, default=60,
+                   help="seconds each process waits for the others to join")
+    a = p.parse_args(argv[:cut])
+    command = argv[cut + 1:]
+    if not command:
+        raise UserError("nothing to run after --")
+    if a.num_processes < 1:
+        raise UserError(f"--num_processes={a.num_processes} must be >= 1")
+    if a.devices_per_process < 0:
+        raise UserError(f"--devices_per_process={a.devices_per_process} must be >= 0")
+    return a, command
+
+
+def child_env(a, process_id: int, address: str, base=None) -> dict:
+    env = dict(os.environ if base is None else base)
+    env.update(JAX_COORDINATOR_ADDRESS=address, JAXLM_NUM_PROCESSES=str(a.num_processes),
+               JAXLM_PROCESS_ID=str(process_id),
+               JAXLM_INITIALIZATION_TIMEOUT=str(a.initialization_timeout), PYTHONUNBUFFERED="1")
+    if a.devices_per_process:
+        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+        env["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count="
+                            f"{a.devices_per_process}").strip()
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _stream(i: int, pipe, lock) -> None:
+    for raw in iter(pipe.readline, b""):
+        with lock:
+            sys.stdout.write(f"[p{i}] {raw.decode(errors='replace').rstrip()}\n")
+            sys.stdout.flush()
+    pipe.close()
+
+
+def _stop(procs) -> None:
+    """SIGTERM every live child's process group, SIGKILL what is left after GRACE_S."""
+    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 0.0)):
+        live = [p for p in procs if p.poll() is None]
+        for p in live:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + wait
+        while wait and time.monotonic() < end and any(p.poll() is None for p in live):
+            time.sleep(0.05)
+    for p in procs:
+        p.wait()
+
+
+def exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode  # killed by signal N -> 128 + N
+
+
+def run(a, command: list[str]) -> int:
+    address = a.coordinator_address or f"127.0.0.1:{free_port()}"
+    lock = threading.Lock()
+    procs, threads = [], []
+    try:
+        for i in range(a.num_processes):
+            # Own session per child: stopping it also stops whatever it spawned.
+            p = subprocess.Popen(command, env=child_env(a, i, address), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+            procs.append(p)
+            with lock:
+                print(f"[launch] process {i}/{a.num_processes} started (pid {p.pid}), "
+                      f"coordinator {address}", flush=True)
+            t = threading.Thread(target=_stream, args=(i, p.stdout, lock), daemon=True)
+            t.start()
+            threads.append(t)
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                i, c = failed[0]
+                others = [j for j, cj in enumerate(codes) if cj is None]
+                _stop(procs)
+                for t in threads:
+                    t.join(timeout=2)
+                print(f"[launch] process {i} failed (exit code {exit_code(c)})"
+                      + (f"; stopped process(es) {', '.join(map(str, others))}" if others else ""),
+                      file=sys.stderr, flush=True)
+                return exit_code(c)
+            if all(c == 0 for c in codes):
+                for t in threads:
+                    t.join(timeout=2)
+                return 0
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        _stop(procs)
+        print("[launch] interrupted; stopped all processes", file=sys.stderr, flush=True)
+        return 130
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+    a, command = parse(sys.argv[1:] if argv is None else list(argv))
+    # SIGTERM (a scheduler, `kill`) stops the children too, like Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    return run(a, command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
