@@ -1,0 +1,191 @@
+"""One training step, jaxlm vs KerasHub `GemmaCausalLM.fit`, LoRA (rank 4) and full fine-tuning.
+
+    python bench/train_step.py [--steps=5] [--warmup=2] [--layers=6] [--skip_keras]
+
+The bench config of the performance issue: vocab 32000, 6 layers, hidden 512, 8 query heads /
+1 KV head, head_dim 64, FFN width 2048 (KerasHub intermediate_dim 4096), batch 8 x 256 tokens,
+float32, ONE CPU device (no simulated mesh). A random KerasHub GemmaBackbone is saved with
+`save_to_preset` and jaxlm loads that preset, so both train the same weights on the same
+batch with the same optimizer (AdamW 5e-5, weight decay 0.01 off for norm scales, global-norm
+clipping 1.0) and the same metrics (loss + weighted token accuracy). Each step is synced
+(`block_until_ready` / the Keras logs) and the median of `--steps` timed steps after
+`--warmup` is reported; the host is shared, so `uptime` is printed with the numbers.
+
+Model FLOPs (the usual MFU convention; embedding lookups, norms and the optimizer not
+counted), per token, N = matmul parameters incl. the tied output projection, L layers, T
+tokens per sequence, q heads x head_dim = Nq*D:
+    full: 6N + 12 L T Nq D   (forward 2N, backward 4N; attention scores and values)
+    LoRA: 4N +  8 L T Nq D   (no weight gradients for the frozen base)
+The machine's peak is measured here: the best of several jitted float32 [4096, 4096] matmuls.
+
+Ends with
+    BENCH train_lora jaxlm=<tok/s> keras=<tok/s> ratio=<x> unit=tokens/s
+    BENCH train_full jaxlm=<tok/s> keras=<tok/s> ratio=<x> unit=tokens/s
+    BENCH train_mfu_cpu jaxlm=<full fraction> lora=<fraction> keras_full=<fraction> peak_gflops=<x>
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxlm  # noqa: E402
+from jaxlm import lora  # noqa: E402
+from jaxlm.train import optim  # noqa: E402
+from jaxlm.train.loss import lm_loss_fn  # noqa: E402
+from jaxlm.train.step import init_state, make_train_step  # noqa: E402
+
+
+def matmul_peak(n: int = 4096, repeats: int = 5) -> float:
+    """Best float32 FLOP/s of one jitted [n, n] @ [n, n] on this host."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    f = jax.jit(jnp.matmul)
+    f(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def model_flops_per_token(cfg, seq_len: int, lora_rank: int) -> float:
+    n = cfg.num_params - cfg.hidden_dim * (1 + 2 * cfg.num_layers)  # drop norm scales
+    attn = cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
+    return 4 * n + 8 * attn if lora_rank else 6 * n + 12 * attn
+
+
+def build_keras(args, preset_dir: str):
+    import keras
+    import keras_hub
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=args.vocab, num_layers=args.layers, num_query_heads=8,
+        num_key_value_heads=1, hidden_dim=512, intermediate_dim=4096, head_dim=64,
+        dtype="float32")
+    backbone.save_to_preset(preset_dir)
+    return backbone
+
+
+def keras_steps(backbone, batch, args, lora_rank: int) -> list[float]:
+    """Seconds per synced `fit` step (all steps, warm-up included)."""
+    import keras
+    import keras_hub
+    if lora_rank:
+        backbone.enable_lora(lora_rank)
+    lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    opt = keras.optimizers.AdamW(learning_rate=5e-5, weight_decay=0.01, global_clipnorm=1.0)
+    opt.exclude_from_weight_decay(var_names=["bias", "scale"])
+    lm.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+               weighted_metrics=["accuracy"])
+
+    times = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, step, logs=None):
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, step, logs=None):
+            jax.block_until_ready(logs)
+            times.append(time.perf_counter() - self.t0)
+
+    n = args.warmup + args.steps
+    ids, mask = batch["token_ids"], batch["padding_mask"]
+    x = {"token_ids": np.tile(ids[:, :-1], (n, 1)), "padding_mask": np.tile(mask[:, :-1], (n, 1))}
+    lm.fit(x, np.tile(ids[:, 1:], (n, 1)), sample_weight=np.tile(mask[:, 1:], (n, 1)).astype("float32"),
+           batch_size=args.batch, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
+    return times
+
+
+def jaxlm_steps(preset_dir: str, batch, args, lora_rank: int) -> list[float]:
+    model, params = jaxlm.load(preset_dir, "float32")
+    optimizer = optim.make_optimizer(optim.OptimConfig())
+    if lora_rank:
+        trainable = lora.init(params, lora_rank, key=jax.random.key(0))
+        frozen, merge = params, lora.merge
+    else:
+        trainable, frozen, merge = params, None, None
+    state = init_state(trainable, optimizer)
+    del trainable, params
+    step = make_train_step(lm_loss_fn(model), optimizer, merge=merge)
+    device_batch = jax.device_put(batch)
+    times = []
+    for _ in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        state, metrics = step(state, frozen, device_batch)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def median_after_warmup(times, warmup: int) -> float:
+    return statistics.median(times[warmup:])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rank", type=int, default=4)
+    p.add_argument("--skip_keras", action="store_true")
+    args = p.parse_args(argv)
+    if len(jax.devices()) != 1:
+        print(f"note: {len(jax.devices())} devices visible; the bench uses the first only")
+
+    rng = np.random.RandomState(0)
+    ids = rng.randint(3, args.vocab, (args.batch, args.seq + 1)).astype("int32")
+    ids[:, 0] = 2  # BOS
+    batch = {"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}
+    tokens = args.batch * args.seq
+
+    peak = matmul_peak()
+    print(f"measured float32 matmul peak: {peak / 1e9:.1f} GFLOP/s")
+    results = {}
+    with tempfile.TemporaryDirectory() as preset:
+        backbone = build_keras(args, preset)
+        cfg = jaxlm.load(preset, "float32", abstract=True)[0].config
+        for mode, rank in (("full", 0), ("lora", args.rank)):
+            jt = jaxlm_steps(preset, batch, args, rank)
+            j = median_after_warmup(jt, args.warmup)
+            k = None
+            if not args.skip_keras:
+                kt = keras_steps(backbone, batch, args, rank)  # full first: enable_lora is one-way
+                k = median_after_warmup(kt, args.warmup)
+            results[mode] = (j, k)
+            flops = model_flops_per_token(cfg, args.seq, rank) * tokens
+            print(f"{mode:>4}: jaxlm {j * 1e3:8.1f} ms/step {tokens / j:8.1f} tok/s "
+                  f"{flops / j / 1e9:6.1f} GFLOP/s ({flops / j / peak:.0%} of peak)"
+                  + ("" if k is None else f" | keras {k * 1e3:8.1f} ms/step {tokens / k:8.1f} tok/s "
+                     f"({flops / k / peak:.0%}) | ratio {k / j:.2f}x"))
+    print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} (1, 5 min) on {os.cpu_count()} cores")
+    for mode in ("lora", "full"):
+        j, k = results[mode]
+        keras_part = "keras=nan ratio=nan" if k is None else f"keras={tokens / k:.1f} ratio={k / j:.2f}"
+        print(f"BENCH train_{mode} jaxlm={tokens / j:.1f} {keras_part} unit=tokens/s")
+    mfu = lambda mode, t, r: model_flops_per_token(cfg, args.seq, r) * tokens / t / peak  # noqa: E731
+    kf = results["full"][1]
+    print(f"BENCH train_mfu_cpu jaxlm={mfu('full', results['full'][0], 0):.3f} "
+          f"lora={mfu('lora', results['lora'][0], args.rank):.3f} "
+          f"keras_full={'nan' if kf is None else f'{mfu(None, kf, 0):.3f}'} "
+          f"peak_gflops={peak / 1e9:.1f} unit=fraction_of_matmul_peak")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

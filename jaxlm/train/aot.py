@@ -1,0 +1,268 @@
+"""Compile the training step for a TPU slice that is not there, and report what it needs.
+
+The `libtpu` package carries the real TPU compiler. `jax.experimental.topologies` describes a
+slice ("v3:2x2" = the 8 cores of a v3-8) as abstract devices; we lower the SAME sharded step
+`train.py` runs (`jaxlm.train.step.make_train_step`, the layout rules, LoRA merged inside jit)
+on `ShapeDtypeStruct` inputs placed on that slice, and read back the compiler's own
+`memory_analysis()` (per device), `cost_analysis()` and partitioned HLO. Nothing is loaded or
+allocated, so Gemma 7B compiles for a v3-8 on a laptop:
+
+    python train.py --preset=gemma_7b_en --mesh=1x8 --lora_rank=4 --compile_only=v3:2x2
+
+A program over the core's HBM fails inside the TPU compiler; `compile_train_step` turns that
+into a report with `fits=False` and the compiler's message. Without libtpu, "cpu" compiles for
+the host's (simulated) CPU devices instead; CPU memory numbers say nothing about a TPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import sharding
+from jaxlm import lora
+from jaxlm.errors import UserError
+from jaxlm.train import optim
+from jaxlm.train.loss import lm_loss_fn
+from jaxlm.train.step import make_train_step, micro_batch_sharding
+
+GiB = 1024 ** 3
+# Usable HBM per device as the TPU compiler reports it (shared/reference/tpu_aot.md); v6e: the
+# 32 GiB spec less the same ~0.5 GiB reserve (not checked against the compiler's message).
+HBM_GIB = {"v2": 7.48, "v3": 15.48, "v4": 30.75, "v5e": 15.75, "v5p": 95.73, "v6e": 31.25}
+# Topologies known to compile (vX:AxB[xC] form; "v5e-8" is rejected by libtpu).
+TOPOLOGIES = ("v3:2x2", "v4:2x2x1", "v5e:2x4", "v5p:2x2x1", "v6e:2x4", "v2:2x2")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def has_libtpu() -> bool:
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def topology_devices(topology: str) -> list:
+    """Abstract devices of a TPU slice ("v3:2x2"), or the host's devices for "cpu"."""
+    if topology == "cpu":
+        return list(jax.devices("cpu"))
+    if not has_libtpu():
+        raise UserError(f"compiling for {topology} needs the TPU compiler: pip install libtpu "
+                        "(or use 'cpu' to compile for this host's devices)")
+    # Several processes (parallel tests, a bench next to a run) may compile at once; without
+    # this the second one fails on libtpu's lockfile. No TPU is opened, so sharing is safe.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+    kwargs = {"chip_config_name": "megacore"} if topology.split(":")[0] in ("v4", "v5p") else {}
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=topology,
+                                                 **kwargs).devices)
+    except Exception as e:  # libtpu raises plain RuntimeErrors/XlaRuntimeErrors
+        raise UserError(f"cannot describe TPU topology {topology!r} "
+                        f"({str(e).splitlines()[0][:160]}); known to work: "
+                        f"{', '.join(TOPOLOGIES)}") from None
+
+
+def hbm_bytes(topology: str) -> float | None:
+    gen = topology.split(":")[0]
+    return HBM_GIB[gen] * GiB if gen in HBM_GIB else None
+
+
+def _abstract(tree, specs, mesh):
+    return jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                             sharding=NamedSharding(mesh, spec)),
+                        tree, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def _bytes_per_device(tree) -> int:
+    """Bytes one device holds of an abstract tree (its shard of every leaf)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def abstract_train_inputs(model, params, mesh, *, lora_rank: int, layout=None, batch_size: int,
+                          sequence_length: int, accum_steps: int = 1, optimizer=None,
+                          lora_alpha=None, lora_targets=None):
+    """-> (state, frozen, batch, step_kwargs) as ShapeDtypeStructs placed on `mesh`.
+
+    params: abstract parameter tree (`jaxlm.load(..., abstract=True)`). Mirrors `lm.run`:
+    the same rules, adapter specs, optimizer-state placement and batch sharding.
+    """
+    rules = sharding.rules_for(model.config, layout)
+    param_specs = sharding.partition_specs(params, rules, mesh)
+    params = _abstract(params, param_specs, mesh)
+    optimizer = optimizer or optim.make_optimizer()
+    replicated = NamedSharding(mesh, P())
+    if lora_rank:
+        adapters = jax.eval_shape(lambda k: lora.init(params, lora_rank, key=k, targets=lora_targets),
+                                  jax.random.key(0))
+        trainable = _abstract(adapters, sharding.adapter_specs(adapters, param_specs, mesh), mesh)
+        frozen = params
+        merge = lambda f, t: lora.merge(f, t, alpha=lora_alpha)  # noqa: E731
+    else:
+        trainable, frozen, merge = params, None, None
+    shardings = jax.tree.map(lambda x: x.sharding, trainable)
+    shapes = jax.eval_shape(optimizer.init, trainable)
+    opt_shd = optax.tree_map_params(optimizer, lambda _, s: s, shapes, shardings,
+                                    transform_non_params=lambda _: replicated)
+    opt_state = jax.tree.map(lambda s, shd: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shd),
+                             shapes, opt_shd)
+    state = {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+             "trainable": trainable, "opt_state": opt_state,
+             "rng": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)}
+    batch_shd = micro_batch_sharding(mesh, accum_steps)
+    lead = (accum_steps,) if accum_steps > 1 else ()
+    shape = lead + (batch_size, sequence_length + 1)
+    batch = {"token_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_shd),
+             "padding_mask": jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=batch_shd)}
+    kwargs = dict(merge=merge, accum_steps=accum_steps,
+                  state_shardings=jax.tree.map(lambda x: x.sharding, state),
+                  frozen_shardings=None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen),
+                  batch_shardings=batch_shd, mesh=mesh)
+    return state, frozen, batch, kwargs, optimizer
+
+
+@dataclasses.dataclass
+class Report:
+    """Per-device numbers of one compiled step (bytes unless named otherwise)."""
+    topology: str
+    device_kind: str
+    mesh: tuple
+    weights: int          # frozen base parameters (LoRA) or the trained parameters (full)
+    trainable: int        # adapters (LoRA); 0 at full fine-tuning (counted in weights)
+    optimizer: int        # optimizer state
+    batch: int
+    temporaries: int      # compiler's temp buffers (activations, gradients, workspace)
+    total: int            # arguments + outputs not aliased to them + temporaries + code
+    hbm: float | None     # usable HBM per device; None when unknown (cpu)
+    flops: float | None   # per device, from cost_analysis()
+    collectives: dict     # op name -> count in the partitioned program
+    compile_s: float
+    fits: bool
+    error: str = ""
+
+    def table(self) -> str:
+        g = lambda b: f"{b / GiB:8.3f} GiB"  # noqa: E731
+        rows = [("weights (base, frozen)" if self.trainable else "weights", self.weights)]
+        if self.trainable:
+            rows.append(("LoRA adapters", self.trainable))
+        rows += [("optimizer state", self.optimizer), ("batch", self.batch),
+                 ("temporaries", self.temporaries), ("total", self.total)]
+        lines = [f"per-device memory of the train step on {self.topology} ({self.device_kind}), "
+                 f"mesh {self.mesh[0]}x{self.mesh[1]}, compiled in {self.compile_s:.1f} s:"]
+        lines += [f"  {name:<24}{g(v)}" for name, v in rows]
+        if self.hbm:
+            lines.append(f"  {'HBM per device':<24}{g(self.hbm)}  -> "
+                         + (f"fits ({self.total / self.hbm:.0%} used)" if self.fits
+                            else "DOES NOT FIT"))
+        if self.error:
+            lines.append(f"  compiler: {self.error}")
+        if self.flops:
+            lines.append(f"  {'FLOPs per device':<24}{self.flops:.3e}")
+        lines.append("  collectives: " + (", ".join(f"{k} x{v}" for k, v in self.collectives.items()
+                                                    if v) or "none"))
+        return "\n".join(lines)
+
+
+def count_collectives(hlo_text: str) -> dict:
+    """{op: count} of cross-device ops (sync or async "-start" forms) in partitioned HLO."""
+    out = {}
+    for op in COLLECTIVES:
+        out[op] = len(re.findall(rf"=\s*\S+\s+{op}(?:-start)?\(", hlo_text))
+    return out
+
+
+def _overflow_message(e: Exception) -> str:
+    text = str(e)
+    for line in text.splitlines():
+        if "memory" in line.lower() or "hbm" in line.lower():
+            return line.strip()[:300]
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def compile_train_step(model, params, *, topology: str, mesh_spec="auto", lora_rank: int = 4,
+                       layout=None, batch_size: int = 8, sequence_length: int = 512,
+                       accum_steps: int = 1, lora_alpha=None, lora_targets=None):
+    """Lower and compile the train step for `topology`; -> (Report, compiled or None).
+
+    model, params: from `jaxlm.load(preset, dtype, abstract=True)` (set `remat` on the model's
+    config beforehand if wanted). mesh_spec: "DxM" over the topology's devices.
+    """
+    devices = topology_devices(topology)
+    try:
+        mesh = sharding.make_mesh(mesh_spec, devices)
+    except ValueError as e:
+        raise UserError(f"{e} (topology {topology} has {len(devices)} devices)") from None
+    if batch_size % mesh.shape["batch"]:
+        raise UserError(f"batch size {batch_size} is not divisible by the mesh's batch axis "
+                        f"({mesh.shape['batch']}); use a multiple of it")
+    state, frozen, batch, kwargs, optimizer = abstract_train_inputs(
+        model, params, mesh, lora_rank=lora_rank, layout=layout, batch_size=batch_size,
+        sequence_length=sequence_length, accum_steps=accum_steps, lora_alpha=lora_alpha,
+        lora_targets=lora_targets)
+    step = make_train_step(lm_loss_fn(model), optimizer, **kwargs)
+    t0 = time.perf_counter()
+    lowered = step.lower(state, frozen, batch)
+    weights = _bytes_per_device(frozen if lora_rank else state["trainable"])
+    report = Report(topology=topology, device_kind=devices[0].device_kind,
+                    mesh=(mesh.shape["batch"], mesh.shape["model"]), weights=weights,
+                    trainable=_bytes_per_device(state["trainable"]) if lora_rank else 0,
+                    optimizer=_bytes_per_device(state["opt_state"]),
+                    batch=_bytes_per_device(batch), temporaries=0, total=0,
+                    hbm=hbm_bytes(topology), flops=None, collectives={}, compile_s=0.0,
+                    fits=True)
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # the TPU compiler refuses programs over the HBM budget
+        report.compile_s = time.perf_counter() - t0
+        if topology == "cpu" or "memory" not in str(e).lower():
+            raise
+        report.fits, report.error = False, _overflow_message(e)
+        # "...HLO temporaries (17.69G) exceeds available HBM...": keep the compiler's number.
+        m = re.search(r"temporaries \(([\d.]+)G\)", str(e))
+        if m:
+            report.temporaries = int(float(m.group(1)) * GiB)
+            report.total = (report.weights + report.trainable + report.optimizer + report.batch
+                            + report.temporaries)
+        return report, None
+    report.compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        report.temporaries = int(mem.temp_size_in_bytes)
+        report.total = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                           - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+                           + mem.generated_code_size_in_bytes)
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # older jax: one dict per program
+        cost = cost[0] if cost else {}
+    report.flops = float(cost.get("flops", 0.0)) or None if cost else None
+    report.collectives = count_collectives(compiled.as_text())
+    if report.hbm:
+        report.fits = report.total <= report.hbm
+    return report, compiled
+
+
+def run_compile_only(a, config_model, abstract_params) -> int:
+    """`train.py --compile_only=TOPOLOGY`: compile, print the table, exit 0 (fits) or 1."""
+    report, _ = compile_train_step(
+        config_model, abstract_params, topology=a.compile_only, mesh_spec=a.mesh,
+        lora_rank=a.lora_rank, layout=a.layout, batch_size=a.batch_size,
+        sequence_length=a.sequence_length, accum_steps=a.accum_steps, lora_alpha=a.lora_alpha,
+        lora_targets=a.lora_targets)
+    print(report.table())
+    return 0 if report.fits else 1
+
+
+__all__ = ["compile_train_step", "abstract_train_inputs", "topology_devices", "count_collectives",
+           "Report", "TOPOLOGIES", "HBM_GIB", "has_libtpu", "run_compile_only"]
