@@ -185,3 +185,18 @@ def test_cli_prints_completions_and_fails_in_one_line(gemma, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and err.startswith("error:") and words in err
         assert len(err.splitlines()) == 1
+
+
+def test_gemma2_sliding_window_and_soft_caps_match_kerashub(keras_gemma_preset):
+    """Decoding past a 4-token window with Gemma 2's soft-caps gives KerasHub's strings."""
+    import keras_hub
+    path, _ = keras_gemma_preset(
+        name="gen2", num_key_value_heads=1, use_post_ffw_norm=True, use_post_attention_norm=True,
+        attention_logit_soft_cap=1.5, final_logit_soft_cap=2.0,
+        use_sliding_window_attention=True, sliding_window_size=4)
+    causal = keras_hub.models.GemmaCausalLM.from_preset(path)
+    model, params = jaxlm.load(path)
+    assert model.config.sliding_window_size == 4
+    ours = generate(model, params, jaxlm.load_tokenizer(path), PROMPTS, max_length=MAX_LENGTH,
+                    stop_token_ids=None)
+    assert ours == list(causal.generate(PROMPTS, max_length=MAX_LENGTH, stop_token_ids=None))
