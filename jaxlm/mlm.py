@@ -53,6 +53,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/mlm")
+    p.add_argument("--data_readers", type=int, default=0,
+                   help="shard readers the global batch is split over (default: one per host); "
+                        "the batches depend on it, not on the number of hosts")
+    from jaxlm import distributed
+    distributed.add_flags(p)
     return p.parse_args(argv)
 
 
@@ -150,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import jaxlm
     import sharding
-    from jaxlm import checkpoint
-    from jaxlm.data.mlm import MLMStream, masking_for, prefetch
+    from jaxlm import checkpoint, distributed
+    from jaxlm.data.mlm import Readers, masking_for
     from jaxlm.train import loop
     from jaxlm.train.step import init_state, make_eval_step, make_train_step, shardings_of
 
@@ -161,15 +166,20 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(str(e)) from None
     replicas = mesh.shape["batch"]
     global_batch = a.per_replica_batch_size * replicas
-    if global_batch % jax.process_count():
-        raise UserError(f"global batch {global_batch} does not split over {jax.process_count()} hosts")
-    host_batch = global_batch // jax.process_count()
+    batch_shd = NamedSharding(mesh, P("batch"))
+    rows = distributed.local_rows(batch_shd, (global_batch, a.max_length))  # this host's rows
+    readers = a.data_readers or jax.process_count()
 
     tokenizer = jaxlm.load_tokenizer(a.tokenizer)
     masking = masking_for(tokenizer, rate=a.mlm_probability)
     train_dir, val_dir = split_dirs(a.data)
-    stream = MLMStream(train_dir, batch_size=host_batch, max_length=a.max_length, masking=masking,
-                       shuffle_buffer=a.shuffle_buffer, seed=a.seed)
+    stream = Readers(train_dir, global_batch=global_batch, count=readers, rows=rows,
+                     max_length=a.max_length, masking=masking, shuffle_buffer=a.shuffle_buffer,
+                     seed=a.seed)
+    if jax.process_count() > 1:  # stderr: every host says which shards it reads
+        print(f"process {jax.process_index()}/{jax.process_count()} reads {len(stream.files)} "
+              f"train shard(s): {' '.join(os.path.basename(f) for f, _ in stream.files)}",
+              file=sys.stderr, flush=True)
     first = next(iter(stream.epoch(0)))  # fail now, not after compiling, on bad shards
     del first
     steps = a.steps or max(1, int(stream.steps_per_epoch * a.num_epochs))
@@ -184,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     fingerprint = {k: v for k, v in vars(a).items()
                    if k in ("preset", "tokenizer", "data", "max_length", "learning_rate",
                             "weight_decay", "per_replica_batch_size", "seed", "mlm_probability")}
-    fingerprint.update(steps=steps, mesh=f"{replicas}x{mesh.shape['model']}")
+    fingerprint.update(steps=steps, mesh=f"{replicas}x{mesh.shape['model']}", data_readers=readers)
     mngr = checkpoint.manager(os.path.join(a.out, "checkpoints"), keep=a.keep)
     restored = checkpoint.restore_latest(mngr, state)
     if restored is not None:
@@ -195,21 +205,22 @@ def main(argv: list[str] | None = None) -> int:
                             f"{', '.join(diff)}); use another --out or the same flags")
         print(f"resuming from step {meta['step']} (epoch {meta['epoch']}, batch {meta['batch']})")
 
-    batch_shd = NamedSharding(mesh, P("batch"))
     step_fn = make_train_step(mlm_loss_fn(model), optimizer, state_shardings=shardings_of(state),
                               batch_shardings=batch_shd, mesh=mesh)
     evaluate = make_eval_step(mlm_loss_fn(model, deterministic=True))
 
     def place(local: dict) -> dict:
-        return {k: jax.make_array_from_process_local_data(batch_shd, v) for k, v in local.items()}
+        return distributed.place_batch(batch_shd, local,
+                                       {k: (global_batch,) + v.shape[1:] for k, v in local.items()})
 
     batches = _Positioned(stream)
 
     def validate(step: int) -> dict | None:
         if val_dir is None:
             return None
-        val = MLMStream(val_dir, batch_size=host_batch, max_length=a.max_length, masking=masking,
-                        shuffle=False, repeat=False, seed=a.seed + 1)
+        val = Readers(val_dir, global_batch=global_batch, count=readers, rows=rows,
+                      max_length=a.max_length, masking=masking, shuffle=False, repeat=False,
+                      seed=a.seed + 1)
         totals = None
         for i, b in enumerate(val.epoch(0)):
             if a.eval_batches and i >= a.eval_batches:
@@ -238,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                             metrics_path=loop.metrics_file(a.out))
         history += h
         result = validate(stop)
-        if result is not None:
+        if result is not None and jax.process_index() == 0:
             with open(os.path.join(a.out, "validation.jsonl"), "a") as f:
                 f.write(__import__("json").dumps(result) + "\n")
     mngr.close()

@@ -171,6 +171,34 @@ class MLMStream:
             e += 1
 
 
+class Readers:
+    """A global batch of `global_batch` rows as `count` equal blocks; block r comes from its own
+    MLMStream over files[r::count] with randomness keyed on r. What a step sees depends on
+    `count`, not on how many hosts share the readers, so 2 hosts x 1 reader and 1 host x 2
+    readers train on the same batches. A host runs the readers of the blocks in `rows` (the
+    rows its devices hold, see `jaxlm.distributed.local_rows`); `epoch`, `steps_per_epoch` and
+    `files` are as MLMStream's, with batches [len(rows), ...].
+    """
+
+    def __init__(self, directory: str, *, global_batch: int, count: int, rows: slice, **kwargs):
+        if count < 1 or global_batch % count:
+            raise UserError(f"the global batch of {global_batch} does not split into {count} "
+                            "equal reader blocks; use a batch that is a multiple of --data_readers")
+        per = global_batch // count
+        if rows.start % per or rows.stop % per:
+            raise UserError(f"this host holds rows {rows.start}:{rows.stop} of the batch, which do "
+                            f"not align with {count} reader blocks of {per}; use --data_readers "
+                            "equal to a multiple of the number of hosts")
+        self.streams = [MLMStream(directory, batch_size=per, process_index=r, process_count=count,
+                                  **kwargs) for r in range(rows.start // per, rows.stop // per)]
+        self.steps_per_epoch = self.streams[0].steps_per_epoch
+        self.files = [f for st in self.streams for f in st.files]
+
+    def epoch(self, epoch: int) -> Iterator[dict[str, np.ndarray]]:
+        for parts in zip(*(st.epoch(epoch) for st in self.streams)):
+            yield {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
 def prefetch(iterator, size: int = 2):
     """Run `iterator` in a background thread, `size` items ahead (errors surface in the caller)."""
     q: queue.Queue = queue.Queue(size)
