@@ -153,7 +153,7 @@ class Report:
     error: str = ""
 
     def table(self) -> str:
-        g = lambda b: f"{b / GiB:8.3f} GiB"  # noqa: E731
+        g = lambda b: f"{b / GiB:8.3f} GiB" if b >= GiB / 10 else f"{b / 2 ** 20:8.2f} MiB"  # noqa: E731
         rows = [("weights (base, frozen)" if self.trainable else "weights", self.weights)]
         if self.trainable:
             rows.append(("LoRA adapters", self.trainable))
@@ -253,16 +253,65 @@ def compile_train_step(model, params, *, topology: str, mesh_spec="auto", lora_r
     return report, compiled
 
 
-def run_compile_only(a, config_model, abstract_params) -> int:
-    """`train.py --compile_only=TOPOLOGY`: compile, print the table, exit 0 (fits) or 1."""
-    report, _ = compile_train_step(
-        config_model, abstract_params, topology=a.compile_only, mesh_spec=a.mesh,
-        lora_rank=a.lora_rank, layout=a.layout, batch_size=a.batch_size,
-        sequence_length=a.sequence_length, accum_steps=a.accum_steps, lora_alpha=a.lora_alpha,
-        lora_targets=a.lora_targets)
+def compile_decode(model, params, *, topology: str, mesh_spec="auto", batch_size: int = 8,
+                   prompt_len: int = 16, total_len: int = 64, sampler="greedy", layout=None):
+    """Compile `jaxlm.decode`'s prefill + while-loop decode for `topology`; -> compiled.
+
+    The same jitted function `generate_ids` runs (bucketed sizes are taken as given), with
+    params placed by the layout rules and the prompt rows split on the mesh's batch axis.
+    """
+    from jaxlm import decode, sampling
+    mesh = sharding.make_mesh(mesh_spec, topology_devices(topology))
+    rules = sharding.rules_for(model.config, layout)
+    params = _abstract(params, sharding.partition_specs(params, rules, mesh), mesh)
+    rows, rep = NamedSharding(mesh, P("batch")), NamedSharding(mesh, P())
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    args = (jax.ShapeDtypeStruct((batch_size, prompt_len), jnp.int32, sharding=rows),
+            jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=rows),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+            jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep),
+            jax.ShapeDtypeStruct((decode._STOP_SLOTS,), jnp.int32, sharding=rep))
+    fn = decode._compiled(model, sampling.resolve(sampler), batch_size, prompt_len, total_len,
+                          False, mesh)
+    return fn.lower(params, *args).compile()
+
+
+def run_compile_only(a) -> int:
+    """`train.py --compile_only=TOPOLOGY`: compile, print the table; exit 0 if it fits, else 1.
+
+    dtype defaults to bfloat16 for a TPU slice (what `train.py` picks there) and sequence length
+    to 512 (the seed's). A step that does not fit without --remat is compiled again with it, so
+    the output says whether that flag is the fix.
+    """
+    import jaxlm
+    from jaxlm.train import cli
+    dtype = a.dtype or ("bfloat16" if a.compile_only != "cpu" else None)
+    model, params = jaxlm.load(a.preset, dtype, abstract=True)
+    seq = a.sequence_length or cli.DATA_SEQUENCE_LENGTH
+
+    def compile_with(remat: bool):
+        m = type(model)(model.config.replace(remat=True)) if remat else model
+        return compile_train_step(
+            m, params, topology=a.compile_only, mesh_spec=a.mesh, lora_rank=a.lora_rank,
+            layout=a.layout, batch_size=a.batch_size, sequence_length=seq,
+            accum_steps=a.accum_steps, lora_alpha=a.lora_alpha, lora_targets=a.lora_targets)[0]
+
+    what = (f"{a.preset} ({model.config.dtype}), {'LoRA rank ' + str(a.lora_rank) if a.lora_rank else 'full fine-tuning'}, "
+            f"batch {a.batch_size}" + (f" x {a.accum_steps} micro-batches" if a.accum_steps > 1 else "")
+            + f", sequence {seq}" + (", --remat" if a.remat else ""))
+    print(f"compiling the train step of {what} for {a.compile_only}"
+          + ("" if a.compile_only == "cpu" else " with the TPU compiler (libtpu)") + " ...")
+    report = compile_with(a.remat)
     print(report.table())
+    if not report.fits and not a.remat:
+        print("compiling again with --remat (block activations recomputed in the backward pass) ...")
+        again = compile_with(True)
+        print(again.table())
+        print("-> " + ("add --remat: it fits." if again.fits else
+                       "still too big with --remat: use a larger slice, a smaller --batch_size "
+                       "with --accum_steps, or a shorter --sequence_length."))
     return 0 if report.fits else 1
 
 
 __all__ = ["compile_train_step", "abstract_train_inputs", "topology_devices", "count_collectives",
-           "Report", "TOPOLOGIES", "HBM_GIB", "has_libtpu", "run_compile_only"]
+           "compile_decode", "Report", "TOPOLOGIES", "HBM_GIB", "has_libtpu", "run_compile_only"]

@@ -74,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
     a("--eval_examples", type=int, default=40, help="held-out examples for exact match (0: skip)")
     a("--max_new_tokens", type=int, default=None,
       help="generation budget for samples and eval (default 12 built-in, 128 with --data)")
+    a("--compile_only", default=None, metavar="TOPOLOGY",
+      help="compile the train step for a TPU slice (v3:2x2, v5e:2x4, v4:2x2x1, v6e:2x4; needs "
+           "libtpu) or 'cpu', print its per-device memory and exit; no weights are loaded")
     return p
 
 
@@ -114,6 +117,7 @@ class Args:
     num_samples: int
     eval_examples: int
     max_new_tokens: int | None
+    compile_only: str | None = None
 
 
 def parse(argv: list[str]) -> Args:

@@ -141,6 +141,9 @@ def run(a: cli.Args) -> int:
     if a.preset is None:
         a = dataclasses.replace(a, preset=default_preset())
         demo = a.preset != cli.TOY_PRESET and not a.data
+    if a.compile_only:  # abstract params only: nothing is read, tokenized or allocated
+        from jaxlm.train import aot
+        return aot.run_compile_only(a)
     kind, family, config = resolve(a.preset, a.dtype)
     toy = kind == "preset"
     a = resolve_defaults(a, toy, demo)
