@@ -77,17 +77,11 @@ class BPETokenizer:
     def save_keras_assets(self, preset_dir: str) -> None:
         """tokenizer.json + assets/tokenizer/{vocabulary.json,merges.txt}, as RobertaTokenizer saves."""
         self.save(os.path.join(preset_dir, ASSETS))
-        config = {"module": "keras_hub.src.models.roberta.roberta_tokenizer",
-                  "class_name": "RobertaTokenizer",
-                  "config": {"name": "roberta_tokenizer", "trainable": True,
-                             "dtype": {"module": "keras", "class_name": "DTypePolicy",
-                                       "config": {"name": "int32"}, "registered_name": None},
-                             "config_file": "tokenizer.json", "sequence_length": None,
-                             "add_prefix_space": False,
-                             "unsplittable_tokens": ["</s>", "<pad>", "<s>", "<mask>"]},
-                  "registered_name": "keras_hub>RobertaTokenizer"}
-        with open(os.path.join(preset_dir, "tokenizer.json"), "w") as f:
-            json.dump(config, f, indent=4)
+        from jaxlm.convert.keras_preset import write_tokenizer_json
+        write_tokenizer_json(preset_dir, "keras_hub.src.models.roberta.roberta_tokenizer",
+                             "RobertaTokenizer", "roberta_tokenizer", sequence_length=None,
+                             add_prefix_space=False,
+                             unsplittable_tokens=["</s>", "<pad>", "<s>", "<mask>"])
 
 
 def load_bpe(path: str) -> BPETokenizer | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import shutil
 
@@ -59,16 +58,11 @@ class Tokenizer:
 
     def save_keras_assets(self, preset_dir: str) -> None:
         """tokenizer.json + assets/tokenizer/vocabulary.spm, as KerasHub's GemmaTokenizer saves."""
+        from jaxlm.convert.keras_preset import write_tokenizer_json
         self.save(os.path.join(preset_dir, "assets", "tokenizer"))
-        config = {"module": "keras_hub.src.models.gemma.gemma_tokenizer", "class_name": "GemmaTokenizer",
-                  "config": {"name": "gemma_tokenizer", "trainable": True,
-                             "dtype": {"module": "keras", "class_name": "DTypePolicy",
-                                       "config": {"name": "int32"}, "registered_name": None},
-                             "config_file": "tokenizer.json", "proto": None, "sequence_length": None,
-                             "add_bos": False, "add_eos": False},
-                  "registered_name": "keras_hub>GemmaTokenizer"}
-        with open(os.path.join(preset_dir, "tokenizer.json"), "w") as f:
-            json.dump(config, f, indent=4)
+        write_tokenizer_json(preset_dir, "keras_hub.src.models.gemma.gemma_tokenizer", "GemmaTokenizer",
+                             "gemma_tokenizer", proto=None, sequence_length=None, add_bos=False,
+                             add_eos=False)
 
 
 def load_tokenizer(path: str):

@@ -15,7 +15,6 @@ and so does `keras_hub.models.AlbertTokenizer(proto=DIR/assets/tokenizer/vocabul
 from __future__ import annotations
 
 import io
-import json
 import os
 import tempfile
 
@@ -83,16 +82,10 @@ def save(proto: bytes, out_dir: str) -> None:
     os.makedirs(assets, exist_ok=True)
     with open(os.path.join(assets, "vocabulary.spm"), "wb") as f:
         f.write(proto)
-    config = {"module": "keras_hub.src.models.albert.albert_tokenizer",
-              "class_name": "AlbertTokenizer",
-              "config": {"name": "albert_tokenizer", "trainable": True,
-                         "dtype": {"module": "keras", "class_name": "DTypePolicy",
-                                   "config": {"name": "int32"}, "registered_name": None},
-                         "config_file": "tokenizer.json", "proto": None, "sequence_length": None,
-                         "add_bos": False, "add_eos": False},
-              "registered_name": "keras_hub>AlbertTokenizer"}
-    with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
-        json.dump(config, f, indent=4)
+    from jaxlm.convert.keras_preset import write_tokenizer_json
+    write_tokenizer_json(out_dir, "keras_hub.src.models.albert.albert_tokenizer", "AlbertTokenizer",
+                         "albert_tokenizer", proto=None, sequence_length=None, add_bos=False,
+                         add_eos=False)
 
 
 def mask_id(tokenizer) -> int:

@@ -8,6 +8,7 @@ queries and keys.
 """
 from __future__ import annotations
 
+from jaxlm.convert.keras_preset import dtype_policy
 from jaxlm.errors import UserError
 from jaxlm.families import Family, register
 from models.gemma import Gemma, GemmaConfig, PRESETS
@@ -107,8 +108,7 @@ def _gemma3_to_keras(cfg: GemmaConfig) -> dict:
         "class_name": "Gemma3Backbone",
         "config": {
             "name": "gemma3_backbone", "trainable": True,
-            "dtype": {"module": "keras", "class_name": "DTypePolicy",
-                      "config": {"name": cfg.dtype}, "registered_name": None},
+            "dtype": dtype_policy(cfg.dtype),
             "vocabulary_size": cfg.vocab_size, "image_size": None, "num_layers": cfg.num_layers,
             "num_query_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
             "hidden_dim": cfg.hidden_dim, "intermediate_dim": cfg.ffw_dim, "head_dim": cfg.head_dim,
@@ -137,8 +137,7 @@ def config_to_keras(cfg: GemmaConfig) -> dict:
         "class_name": "GemmaBackbone",
         "config": {
             "name": "gemma_backbone", "trainable": True,
-            "dtype": {"module": "keras", "class_name": "DTypePolicy",
-                      "config": {"name": cfg.dtype}, "registered_name": None},
+            "dtype": dtype_policy(cfg.dtype),
             "vocabulary_size": cfg.vocab_size, "num_layers": cfg.num_layers,
             "num_query_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
             "hidden_dim": cfg.hidden_dim, "intermediate_dim": 2 * cfg.ffw_dim,

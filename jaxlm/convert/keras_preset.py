@@ -203,6 +203,21 @@ def write_preset(family, config, params: dict, out_dir: str, tokenizer=None) -> 
         family.write_extras(config, out_dir)
 
 
+def dtype_policy(name: str) -> dict:
+    """A serialized Keras DTypePolicy, as config.json / tokenizer.json store it."""
+    return {"module": "keras", "class_name": "DTypePolicy", "config": {"name": name},
+            "registered_name": None}
+
+
+def write_tokenizer_json(preset_dir: str, module: str, class_name: str, name: str, **config) -> None:
+    """tokenizer.json for a KerasHub tokenizer class; its vocabulary lives in assets/tokenizer/."""
+    _write_json(os.path.join(preset_dir, "tokenizer.json"), {
+        "module": module, "class_name": class_name,
+        "config": {"name": name, "trainable": True, "dtype": dtype_policy("int32"),
+                   "config_file": "tokenizer.json", **config},
+        "registered_name": f"keras_hub>{class_name}"})
+
+
 def _write_json(path, obj):
     with open(path, "w") as f:
         json.dump(obj, f, indent=4)

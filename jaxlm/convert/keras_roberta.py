@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 
+from jaxlm.convert.keras_preset import dtype_policy
 from jaxlm.errors import UserError
 from jaxlm.families import Family, register
 from models.roberta import PRESETS, Roberta, RobertaConfig
@@ -63,17 +64,12 @@ def config_from_keras(c: dict) -> RobertaConfig:
         raise UserError(f"RobertaBackbone config is missing {e.args[0]!r}; is config.json complete?") from None
 
 
-def _dtype(name: str) -> dict:
-    return {"module": "keras", "class_name": "DTypePolicy", "config": {"name": name},
-            "registered_name": None}
-
-
 def config_to_keras(cfg: RobertaConfig) -> dict:
     return {
         "module": "keras_hub.src.models.roberta.roberta_backbone",
         "class_name": "RobertaBackbone",
         "config": {
-            "name": "roberta_backbone", "trainable": True, "dtype": _dtype(cfg.dtype),
+            "name": "roberta_backbone", "trainable": True, "dtype": dtype_policy(cfg.dtype),
             "vocabulary_size": cfg.vocab_size, "num_layers": cfg.num_layers,
             "num_heads": cfg.num_heads, "hidden_dim": cfg.hidden_dim,
             "intermediate_dim": cfg.intermediate_dim, "dropout": 0.1,  # KerasHub's default
@@ -98,7 +94,7 @@ def write_task_json(cfg: RobertaConfig, preset_dir: str) -> None:
                 "module": "keras_hub.src.models.roberta.roberta_masked_lm_preprocessor",
                 "class_name": "RobertaMaskedLMPreprocessor",
                 "config": {"name": "roberta_masked_lm_preprocessor", "trainable": True,
-                           "dtype": _dtype("float32"), "tokenizer": tokenizer,
+                           "dtype": dtype_policy("float32"), "tokenizer": tokenizer,
                            "config_file": "preprocessor.json",
                            "sequence_length": cfg.max_sequence_length},
                 "registered_name": "keras_hub>RobertaMaskedLMPreprocessor"}
