@@ -1,0 +1,232 @@
+"""Multi-host training on jax.distributed, with local processes (CPU devices, gloo) as hosts.
+
+2 processes x 4 devices must train exactly what 1 process x 8 devices trains (same mesh, same
+batches), for the LM (LoRA) and the MLM (TFRecord shards, each read by one host) trainers;
+killing every process and relaunching resumes from the collective checkpoint; bad setups fail
+with one line instead of hanging.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from jaxlm import distributed, launch
+from jaxlm.errors import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = [sys.executable, "-m", "jaxlm.launch", "--num_processes=2", "--devices_per_process=4",
+          "--initialization_timeout=60", "--"]
+TRAIN = [sys.executable, "train.py"]
+LM = ["--preset=gemma_tiny", "--mesh=1x8", "--lora_rank=4", "--steps=6", "--save_every=2",
+      "--log_every=2", "--num_samples=0", "--eval_examples=0"]
+
+
+def _run(cmd, timeout=240):
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{cmd}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout + r.stderr
+
+
+def _metrics(out):
+    import json
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def _h5(path):
+    with h5py.File(path) as f:
+        out = {}
+        f.visititems(lambda k, v: out.__setitem__(k, v[()]) if isinstance(v, h5py.Dataset) else None)
+    return out
+
+
+def _assert_same_training(a, b):
+    ma, mb = _metrics(a), _metrics(b)
+    assert [m["step"] for m in ma] == [m["step"] for m in mb]
+    for key in ("loss", "accuracy", "count"):
+        np.testing.assert_allclose([m[key] for m in ma], [m[key] for m in mb], rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def lm_runs(tmp_path_factory):
+    """The same LoRA run on 2 hosts x 4 devices (via the launcher) and on 1 host x 8 devices."""
+    root = tmp_path_factory.mktemp("lm")
+    two, one = str(root / "two"), str(root / "one")
+    log = _run(LAUNCH + TRAIN + LM + [f"--out={two}"])
+    _run(TRAIN + LM + [f"--out={one}"])
+    return root, two, one, log
+
+
+def test_lm_two_hosts_train_what_one_host_trains(lm_runs):
+    root, two, one, log = lm_runs
+    _assert_same_training(two, one)
+    a, b = _h5(os.path.join(two, "adapters.lora.h5")), _h5(os.path.join(one, "adapters.lora.h5"))
+    assert a.keys() == b.keys() and a
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    # Progress and the export report come from process 0 only; both processes ran.
+    assert "[p0] exported to" in log and "[p1] exported" not in log
+    assert "[p0] [####################] step 6/6" in log and "[p1] [#" not in log
+    assert "process 1/2 started" in log
+
+
+def test_kill_every_process_then_resume(lm_runs):
+    root, two, _, _ = lm_runs
+    out = str(root / "killed")
+    proc = subprocess.Popen(LAUNCH + TRAIN + LM + [f"--out={out}"], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    pids, lines = [], []
+    try:
+        for line in proc.stdout:  # children's pids, then wait for the first committed checkpoint
+            lines.append(line)
+            m = re.search(r"process \d/2 started \(pid (\d+)\)", line)
+            if m:
+                pids.append(int(m.group(1)))
+            if "step 2/6" in line:
+                break
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(out, "checkpoints", "2", "commit_success.txt")):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            time.sleep(0.1)
+        assert len(pids) == 2
+        for pid in pids:  # every host dies at once, mid-run
+            os.kill(pid, signal.SIGKILL)
+        rest = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, rest
+    assert "[launch] process" in rest and "failed" in rest
+    assert not os.path.exists(os.path.join(out, "adapters.lora.h5"))
+
+    log = _run(LAUNCH + TRAIN + LM + [f"--out={out}"])
+    assert re.search(r"\[p0\] resuming from step [246] ", log), log[-3000:]
+    a, b = _h5(os.path.join(out, "adapters.lora.h5")), _h5(os.path.join(two, "adapters.lora.h5"))
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    final = {m["step"]: m["loss"] for m in _metrics(out)}  # resumed steps repeat what was lost
+    for m in _metrics(two):
+        assert final[m["step"]] == pytest.approx(m["loss"], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def shards_dir(tmp_path_factory):
+    from jaxlm import shards, tokenizer_train
+    from jaxlm.tokenizer import _pydoc_corpus
+    root = tmp_path_factory.mktemp("mlm")
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(_pydoc_corpus().splitlines()[:1500]) + "\n")
+    tok = str(root / "tok")
+    assert tokenizer_train.main(["--input", str(corpus), "--vocab_size", "400", "--out", tok]) == 0
+    data = str(root / "shards")
+    assert shards.main(["--input", str(corpus), "--tokenizer", tok, "--max_length", "32",
+                        "--shard_size", "100", "--out", data, "--validation_fraction", "0.25"]) == 0
+    return root, tok, data
+
+
+def test_mlm_two_hosts_train_what_one_host_trains(shards_dir):
+    root, tok, data = shards_dir
+    args = ["--task=mlm", "--preset=roberta_tiny", f"--tokenizer={tok}", f"--data={data}",
+            "--mesh=8x1", "--per_replica_batch_size=1", "--max_length=32", "--steps=4",
+            "--learning_rate=2e-3", "--dropout=0", "--log_every=2", "--shuffle_buffer=64",
+            "--eval_batches=2", "--data_readers=2"]
+    two, one = str(root / "two"), str(root / "one")
+    log = _run(LAUNCH + TRAIN + args + [f"--out={two}"])
+    _run(TRAIN + args + [f"--out={one}"])
+    _assert_same_training(two, one)
+
+    # Each train shard is read by exactly one host.
+    read = {int(p): set(names.split()) for p, names in
+            re.findall(r"\[p\d\] process (\d)/2 reads \d+ train shard\(s\): (.*)", log)}
+    assert set(read) == {0, 1} and read[0] and read[1] and not read[0] & read[1], log[-2000:]
+    assert read[0] | read[1] == set(os.listdir(os.path.join(data, "train")))
+
+    import jaxlm
+    from jaxlm.tree import flatten
+    pa, pb = (flatten(jaxlm.load(os.path.join(d, "model"))[1]) for d in (two, one))
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        np.testing.assert_allclose(np.asarray(pa[k]), np.asarray(pb[k]), rtol=1e-5, atol=1e-6,
+                                   err_msg=k)
+
+
+def test_processes_disagreeing_on_the_mesh_fail_with_one_line(tmp_path):
+    a = launch.parse(["--num_processes=2", "--devices_per_process=4", "--", "x"])[0]
+    address = f"127.0.0.1:{launch.free_port()}"
+    flags = [f for f in LM if not f.startswith("--mesh")]
+    procs = [subprocess.Popen(TRAIN + [*flags, f"--mesh={mesh}", f"--out={tmp_path}"], cwd=ROOT,
+                              env=launch.child_env(a, i, address), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for i, mesh in enumerate(["1x8", "2x4"])]
+    try:
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 2, err[-2000:]
+        lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+        assert lines == ["error: processes disagree on command line: process 0: --mesh=1x8, "
+                         "process 1: --mesh=2x4; launch every process with the same flags"], err
+
+
+def test_unreachable_coordinator_is_a_bounded_one_line_error():
+    port = launch.free_port()  # nothing listens there
+    t0 = time.monotonic()
+    r = subprocess.run(TRAIN + LM + [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                                     "--process_id=1", "--initialization_timeout=3"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and time.monotonic() - t0 < 30
+    assert r.stderr.strip().splitlines() == [
+        f"error: process 1: the coordinator 127.0.0.1:{port} was unreachable for 3s; start process "
+        "0 first, and check --coordinator_address (process 0's reachable HOST:PORT) and firewalls"]
+
+
+def test_launcher_stops_the_others_when_one_fails():
+    child = ("import os, sys, time\n"
+             "print('hello from', os.environ['JAXLM_PROCESS_ID'], flush=True)\n"
+             "if os.environ['JAXLM_PROCESS_ID'] == '1': sys.exit(3)\n"
+             "time.sleep(120)\n")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "jaxlm.launch", "--num_processes=2", "--",
+                        sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3 and time.monotonic() - t0 < 30
+    assert "[p1] hello from 1" in r.stdout and "[p0] hello from 0" in r.stdout
+    assert "[launch] process 1 failed (exit code 3); stopped process(es) 0" in r.stderr
+
+
+def test_flags_and_environment():
+    s, rest = distributed.from_argv(["--mesh=1x8", "--num_processes", "4", "--process_id=3",
+                                     "--coordinator_address=10.0.0.1:1234"], environ={})
+    assert rest == ["--mesh=1x8"]
+    assert (s.coordinator_address, s.num_processes, s.process_id) == ("10.0.0.1:1234", 4, 3)
+    env = launch.child_env(launch.parse(["--devices_per_process=4", "--", "x"])[0], 1, "h:1",
+                           base={"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --foo"})
+    s, _ = distributed.from_argv([], environ=env)
+    assert (s.coordinator_address, s.num_processes, s.process_id) == ("h:1", 2, 1)
+    assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=4"
+    assert distributed.cluster_env({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}) == "slurm"
+    assert distributed.cluster_env({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
+    assert distributed.cluster_env({"OMPI_COMM_WORLD_SIZE": "2"}) == "openmpi"
+    assert distributed.num_processes_hint([], {"OMPI_COMM_WORLD_SIZE": "2"}) == 2
+    for bad, msg in ((["--process_id=2", "--num_processes=2"], "must be in 0..1"),
+                     (["--coordinator_address=nohost"], "is not HOST:PORT"),
+                     (["--num_processes=x"], "is not an integer")):
+        with pytest.raises(UserError, match=msg):
+            distributed.from_argv(bad, environ={})
+
+
+def test_local_rows_follow_the_mesh():
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import sharding
+    for spec in ("1x8", "8x1", "2x4"):  # one process holds every row, whatever the mesh
+        s = NamedSharding(sharding.make_mesh(spec), P("batch"))
+        assert distributed.local_rows(s, (8, 5)) == slice(0, 8)
+    assert jax.process_count() == 1
