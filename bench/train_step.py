@@ -37,7 +37,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxlm  # noqa: E402
@@ -45,26 +44,7 @@ from jaxlm import lora  # noqa: E402
 from jaxlm.train import optim  # noqa: E402
 from jaxlm.train.loss import lm_loss_fn  # noqa: E402
 from jaxlm.train.step import init_state, make_train_step  # noqa: E402
-
-
-def matmul_peak(n: int = 4096, repeats: int = 5) -> float:
-    """Best float32 FLOP/s of one jitted [n, n] @ [n, n] on this host."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    f = jax.jit(jnp.matmul)
-    f(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
-
-
-def model_flops_per_token(cfg, seq_len: int, lora_rank: int) -> float:
-    n = cfg.num_params - cfg.hidden_dim * (1 + 2 * cfg.num_layers)  # drop norm scales
-    attn = cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
-    return 4 * n + 8 * attn if lora_rank else 6 * n + 12 * attn
+from bench.common import matmul_peak, model_flops_per_token  # noqa: E402
 
 
 def build_keras(args, preset_dir: str):

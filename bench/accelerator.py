@@ -1,0 +1,180 @@
+"""Gemma 2B on one GPU or TPU host: train-step MFU and greedy decode vs the bandwidth limit.
+
+    python bench/accelerator.py [--mesh=auto] [--batch_size=N] [--remat] [--steps=5]
+    python bench/accelerator.py --smoke        # tiny config, runs anywhere (CPU) in a minute
+
+Random weights (no download), bfloat16, sequence 2048:
+  1. full fine-tuning and LoRA (rank 4) steps of `jaxlm.train.step.make_train_step`, sharded
+     by the layout rules on the host's devices: tokens/s and MFU = model FLOPs (see
+     `bench.common.model_flops_per_token`) / (devices x the chip's bf16 peak);
+  2. greedy decoding (`jaxlm.decode.generate_ids`) on one device at batch 1 and 32: new
+     tokens/s, and the fraction of the memory-bandwidth limit, i.e. of
+     batch / (bytes read per step / HBM bytes/s) with bytes = all weights + the live KV cache.
+     The step time is the slope between two generation lengths in the same compiled bucket,
+     so prefill and dispatch cancel out.
+Peaks come from `bench.common.PEAKS` (spec sheets); an unknown device prints MFU as nan (on
+CPU, --smoke uses the measured float32 matmul peak instead). Budget: under 8 minutes.
+
+Ends with
+    BENCH accel_train_full tokens_per_s=<x> mfu=<x> device=<kind> devices=<n>
+    BENCH accel_train_lora tokens_per_s=<x> mfu=<x> ...
+    BENCH accel_decode_b1 tokens_per_s=<x> bw_fraction=<x> ...
+    BENCH accel_decode_b32 tokens_per_s=<x> bw_fraction=<x> ...
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxlm  # noqa: E402
+import sharding  # noqa: E402
+from bench.common import chip_peak, matmul_peak, median, model_flops_per_token, timed  # noqa: E402
+from jaxlm import decode, lora  # noqa: E402
+from jaxlm.train import optim  # noqa: E402
+from jaxlm.train.loss import lm_loss_fn  # noqa: E402
+from jaxlm.train.step import (init_state, make_train_step, micro_batch_sharding,  # noqa: E402
+                              shardings_of)
+
+
+def train_throughput(preset, dtype, mesh, *, lora_rank, batch_size, seq, steps, remat, seed=0):
+    """-> (tokens/s, seconds per step, model config) of a warmed-up, synced train step."""
+    model, _ = jaxlm.load(preset, dtype, abstract=True)
+    rules = sharding.rules_for(model.config)
+    model, params = jaxlm.load(preset, dtype, placement=sharding.placement(mesh, rules, quiet=True),
+                               seed=seed)
+    if remat:
+        model = type(model)(model.config.replace(remat=True))
+    optimizer = optim.make_optimizer(optim.OptimConfig())
+    if lora_rank:
+        specs = sharding.adapter_specs(
+            jax.eval_shape(lambda: lora.init(params, lora_rank, key=jax.random.key(seed))),
+            sharding.partition_specs(params, rules, mesh), mesh)
+        out = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs,
+                           is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        trainable = jax.jit(lambda k: lora.init(params, lora_rank, key=k), out_shardings=out)(
+            jax.random.key(seed))
+        frozen, merge = params, lora.merge
+    else:
+        trainable, frozen, merge = params, None, None
+    state = init_state(trainable, optimizer, seed, mesh)
+    del trainable, params
+    batch_shd = micro_batch_sharding(mesh)
+    step = make_train_step(lm_loss_fn(model), optimizer, merge=merge,
+                           state_shardings=shardings_of(state),
+                           frozen_shardings=None if frozen is None else shardings_of(frozen),
+                           batch_shardings=batch_shd, mesh=mesh)
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(3, model.config.vocab_size, (batch_size, seq + 1)).astype(np.int32)
+    batch = jax.device_put({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}, batch_shd)
+
+    holder = {"state": state}
+    del state
+
+    def one():
+        holder["state"], metrics = step(holder["state"], frozen, batch)
+        jax.block_until_ready(metrics)
+
+    t0 = time.perf_counter()
+    one()  # compile
+    print(f"  compiled + first step in {time.perf_counter() - t0:.1f} s")
+    one()
+    t = median(timed(one, steps))
+    del holder, frozen
+    gc.collect()
+    return batch_size * seq / t, t, model.config
+
+
+def decode_throughput(preset, dtype, *, batch_size, prompt_len, short, long, seed=0):
+    """-> (new tokens/s per row x rows, seconds per decode step, bytes read per step)."""
+    model, params = jaxlm.load(preset, dtype, seed=seed)
+    cfg = model.config
+    rng = np.random.RandomState(seed)
+    prompts = rng.randint(3, cfg.vocab_size, (batch_size, prompt_len)).astype(np.int32)
+    lengths = np.full((batch_size,), prompt_len, np.int32)
+
+    def run(max_length):
+        return lambda: decode.generate_ids(model, params, prompts, lengths, max_length)
+
+    run(long)()  # compile (both lengths share one bucket, so one compilation)
+    t_short = median(timed(run(short), 3))
+    t_long = median(timed(run(long), 3))
+    # A negative slope means noise swamped the step (a tiny model on a busy host): report nan.
+    per_step = (t_long - t_short) / (long - short) if t_long > t_short else float("nan")
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    total = decode.bucket(long, decode.MIN_TOTAL_BUCKET)
+    kv_bytes = (2 * cfg.num_layers * batch_size * total * cfg.num_kv_heads * cfg.head_dim
+                * np.dtype(dtype).itemsize)  # the loop attends over every cache slot
+    del params
+    gc.collect()
+    return batch_size / per_step, per_step, weights + kv_bytes
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny config (any machine, CPU included)")
+    p.add_argument("--preset", default=None, help="default gemma_2b_en (gemma_tiny with --smoke)")
+    p.add_argument("--mesh", default="auto", help="DxM over this host's devices (auto = 1xN)")
+    p.add_argument("--batch_size", type=int, default=None, help="global train batch (default: "
+                   "2 per device; 2 with --smoke)")
+    p.add_argument("--sequence_length", type=int, default=None, help="default 2048 (64 smoke)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--remat", action="store_true", help="recompute block activations")
+    p.add_argument("--lora_rank", type=int, default=4)
+    p.add_argument("--decode_batches", default="1,32")
+    args = p.parse_args(argv)
+
+    smoke = args.smoke
+    preset = args.preset or ("gemma_tiny" if smoke else "gemma_2b_en")
+    dtype = "float32" if smoke and jax.default_backend() == "cpu" else "bfloat16"
+    seq = args.sequence_length or (64 if smoke else 2048)
+    mesh = sharding.make_mesh(args.mesh)
+    n_dev = mesh.size
+    batch_size = args.batch_size or (2 if smoke else 2 * n_dev)
+    device = jax.devices()[0]
+    peak = chip_peak(device)
+    if peak is None and device.platform == "cpu":
+        peak = (matmul_peak(1024 if smoke else 4096), float("nan"))
+        print(f"CPU: using the measured {dtype} matmul peak {peak[0] / 1e9:.1f} GFLOP/s; no HBM "
+              "bandwidth figure (bw_fraction = nan)")
+    flops_peak, hbm_bw = peak if peak else (float("nan"), float("nan"))
+    print(f"{preset} {dtype} on {n_dev} x {device.device_kind} (mesh {mesh.shape['batch']}x"
+          f"{mesh.shape['model']}), batch {batch_size} x {seq} tokens"
+          + (", remat" if args.remat else ""))
+    start = time.perf_counter()
+    lines = []
+    for name, rank in (("full", 0), ("lora", args.lora_rank)):
+        print(f"train {name}:")
+        tps, t, cfg = train_throughput(preset, dtype, mesh, lora_rank=rank, batch_size=batch_size,
+                                       seq=seq, steps=args.steps, remat=args.remat)
+        mfu = model_flops_per_token(cfg, seq, rank) * tps / (n_dev * flops_peak)
+        print(f"  {t * 1e3:.1f} ms/step, {tps:.0f} tokens/s, MFU {mfu:.1%}")
+        lines.append(f"BENCH accel_train_{name} tokens_per_s={tps:.1f} mfu={mfu:.3f} "
+                     f"device={device.device_kind.replace(' ', '_')} devices={n_dev} seq={seq} "
+                     f"batch={batch_size} remat={int(args.remat)}")
+    prompt_len = 16 if smoke else 128
+    short, long = (40, 64) if smoke else (320, 512)
+    for b in (int(x) for x in args.decode_batches.split(",")):
+        print(f"decode batch {b}:")
+        tps, per_step, read = decode_throughput(preset, dtype, batch_size=b, prompt_len=prompt_len,
+                                                short=short, long=long)
+        limit = b * hbm_bw / read
+        print(f"  {per_step * 1e3:.2f} ms/step, {tps:.0f} new tokens/s; {read / 1e9:.2f} GB read "
+              f"per step -> limit {limit:.0f} tokens/s ({tps / limit:.1%})")
+        lines.append(f"BENCH accel_decode_b{b} tokens_per_s={tps:.1f} bw_fraction={tps / limit:.3f} "
+                     f"device={device.device_kind.replace(' ', '_')} ms_per_step={per_step * 1e3:.3f}")
+    print(f"total {time.perf_counter() - start:.0f} s")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""What the bench scripts share: model FLOPs, chip peaks, a measured matmul peak, timing."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+# Dense bf16 spec peaks per JAX device (FLOP/s, HBM bytes/s); shared/reference/tpu_aot.md.
+# On v2/v3 a JAX device is one core (half a chip); v4/v5p use megacore (a device is a chip).
+PEAKS = {
+    "TPU v2": (2.25e13, 3.5e11), "TPU v3": (7.0e13, 4.5e11), "TPU v4": (2.75e14, 1.2e12),
+    "TPU v5 lite": (1.97e14, 8.1e11), "TPU v5e": (1.97e14, 8.1e11), "TPU v5p": (4.59e14, 2.8e12),
+    "TPU v5": (4.59e14, 2.8e12), "TPU v6 lite": (9.2e14, 1.6e12), "TPU v6e": (9.2e14, 1.6e12),
+    "H100": (9.9e14, 3.35e12), "H200": (9.9e14, 4.8e12), "A100": (3.12e14, 2.0e12),
+}
+
+
+def chip_peak(device) -> tuple[float, float] | None:
+    """(bf16 FLOP/s, HBM bytes/s) of a device from its `device_kind`, or None if unknown."""
+    kind = device.device_kind
+    for name in sorted(PEAKS, key=len, reverse=True):  # "TPU v5 lite" before "TPU v5"
+        if name.lower() in kind.lower():
+            return PEAKS[name]
+    return None
+
+
+def model_flops_per_token(cfg, seq_len: int, lora_rank: int) -> float:
+    """The usual MFU count; embedding lookups, norms and the optimizer are not counted.
+
+    N = matmul parameters including the tied output projection:
+      full: 6N + 12 L T Nq D  (forward 2N, backward 4N; attention scores and values)
+      LoRA: 4N +  8 L T Nq D  (no weight gradients for the frozen base)
+    """
+    n = cfg.num_params - cfg.hidden_dim * (1 + 2 * cfg.num_layers)  # drop norm scales
+    attn = cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
+    return 4 * n + 8 * attn if lora_rank else 6 * n + 12 * attn
+
+
+def matmul_peak(n: int = 4096, repeats: int = 5, dtype=jnp.float32) -> float:
+    """Best FLOP/s of one jitted [n, n] @ [n, n] on the default device."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    f = jax.jit(jnp.matmul)
+    f(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def timed(fn, n: int) -> list[float]:
+    """Seconds of each of `n` calls of `fn()` (fn must block until its work is done)."""
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def median(xs) -> float:
+    return statistics.median(xs)
