@@ -72,6 +72,9 @@ def manager(directory: str, *, keep: int = 3, async_save: bool = True) -> ocp.Ch
         raise UserError(f"--keep={keep}: keep at least 1 checkpoint")
     directory = os.path.abspath(directory)
     sweep_incomplete(directory)
+    if jax.process_count() > 1:  # the others must not list steps while host 0 moves folders
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("jaxlm.checkpoint.sweep")
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                            create=True)
     return ocp.CheckpointManager(directory, options=options, item_names=("state", "meta"))
@@ -94,6 +97,10 @@ def restore_latest(mngr: ocp.CheckpointManager, like_state: dict):
     like_state: the freshly initialised state (arrays or ShapeDtypeStructs with shardings).
     """
     steps = complete_steps(str(mngr.directory))
+    if jax.process_count() > 1:  # hosts on separate disks would each resume somewhere else
+        from jaxlm import distributed
+        distributed.check_same({"the latest checkpoint": steps[-1] if steps else None},
+                               fix=f"put --out on storage every host shares (now {mngr.directory})")
     if not steps:
         return None
     step = steps[-1]

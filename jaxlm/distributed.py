@@ -221,7 +221,7 @@ def quiet_followers() -> None:
         os.close(null)
 
 
-def check_same(values: dict) -> None:
+def check_same(values: dict, fix: str = "launch every process with the same flags") -> None:
     """Fail with one line, on every process, when processes were given different `values`
     (e.g. a different --mesh): otherwise their collectives would not match and the run hangs."""
     import jax
@@ -238,8 +238,7 @@ def check_same(values: dict) -> None:
     for key in values:
         got = [v.get(key) for v in seen]
         if any(g != got[0] for g in got):
-            raise UserError(f"processes disagree on {key}: {_describe(got)}; "
-                            "launch every process with the same flags")
+            raise UserError(f"processes disagree on {key}: {_describe(got)}; {fix}")
 
 
 def _describe(got: list) -> str:
