@@ -24,6 +24,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 
 from jaxlm.errors import UserError
@@ -172,12 +173,28 @@ def initialize(s: Settings) -> bool:
         else:
             _wait_for(s.coordinator_address, s.process_id, deadline, s.initialization_timeout)
     remaining = max(int(deadline - time.monotonic()), 5)
+    # When the others never join, JAX aborts the process with a C++ stack trace once its own
+    # timeout passes; this watchdog fires first and says it in one line (exit 2, like UserError).
+    who = f"process {s.process_id}" if s.process_id is not None else "this process"
+    watchdog = threading.Timer(remaining, _give_up, args=(
+        f"error: {who}: not all {s.num_processes or ''} processes joined the coordinator "
+        f"{s.coordinator_address or '(auto-detected)'} within {s.initialization_timeout}s; start "
+        "every process with the same --num_processes and --coordinator_address",))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         jax.distributed.initialize(s.coordinator_address, s.num_processes, s.process_id,
-                                   initialization_timeout=remaining)
+                                   initialization_timeout=remaining + 30)
     except (ValueError, TypeError, RuntimeError) as e:
         raise UserError(f"jax.distributed could not start ({str(e).splitlines()[0]})") from None
+    finally:
+        watchdog.cancel()
     return True
+
+
+def _give_up(line: str) -> None:
+    print(line.replace("all  processes", "all processes"), file=sys.stderr, flush=True)
+    os._exit(2)  # the main thread is blocked inside JAX's C++ connect
 
 
 def _check_bindable(address: str) -> None:

@@ -187,6 +187,16 @@ def test_unreachable_coordinator_is_a_bounded_one_line_error():
         f"error: process 1: the coordinator 127.0.0.1:{port} was unreachable for 3s; start process "
         "0 first, and check --coordinator_address (process 0's reachable HOST:PORT) and firewalls"]
 
+    # Process 0 serves the coordinator but its peer never comes: bounded too, one line.
+    t0 = time.monotonic()
+    r = subprocess.run(TRAIN + LM + [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                                     "--process_id=0", "--initialization_timeout=3"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and time.monotonic() - t0 < 30
+    assert r.stderr.strip().splitlines() == [
+        f"error: process 0: not all 2 processes joined the coordinator 127.0.0.1:{port} within 3s; "
+        "start every process with the same --num_processes and --coordinator_address"]
+
 
 def test_launcher_stops_the_others_when_one_fails():
     child = ("import os, sys, time\n"
