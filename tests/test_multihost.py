@@ -210,6 +210,22 @@ def test_launcher_stops_the_others_when_one_fails():
     assert "[p1] hello from 1" in r.stdout and "[p0] hello from 0" in r.stdout
     assert "[launch] process 1 failed (exit code 3); stopped process(es) 0" in r.stderr
 
+    # Ctrl-C on the launcher stops every child.
+    proc = subprocess.Popen([sys.executable, "-m", "jaxlm.launch", "--num_processes=2", "--",
+                             sys.executable, "-c", "import time; print('up', flush=True); "
+                             "time.sleep(120)"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    pids = []
+    for line in proc.stdout:
+        pids += [int(p) for p in re.findall(r"\(pid (\d+)\)", line)]
+        if line.startswith("[p1] up") or line.startswith("[p0] up") and len(pids) == 2:
+            break
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130 and "interrupted; stopped all" in proc.stderr.read()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
 
 def test_flags_and_environment():
     s, rest = distributed.from_argv(["--mesh=1x8", "--num_processes", "4", "--process_id=3",
