@@ -85,6 +85,23 @@ def test_no_full_logits_in_float32():
     assert f"f32[{b},8,{v}]" in jaxpr  # the chunk is there
 
 
+def test_default_chunk_keeps_a_gemma3_vocabulary_block_within_budget():
+    """Gemma 3's 262k vocabulary at 8 x 40 tokens: without a logits budget one [8, 40, V] float32
+    block is 335 MB, held by every model-axis device under the seed layout (an OOM on 8 simulated
+    CPU devices). The default chunk keeps every [B, C, V] block within CHUNK_LOGITS."""
+    b, t, h, v = 8, 40, 16, 262_144
+    assert L.chunk_length(b, t, v) * b * v <= L.CHUNK_LOGITS < b * t * v
+    assert L.chunk_length(2, 6, 100) == 6  # small vocabularies: one chunk
+    abstract = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    f = lambda hh, e: L.chunked_cross_entropy(  # noqa: E731
+        hh, e, jnp.zeros((b, t), jnp.int32), jnp.ones((b, t)))["loss_sum"]
+    jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0,)))(abstract((b, t, h), jnp.float32),
+                                                       abstract((v, h), jnp.float32))
+    text = str(jaxpr)
+    c = L.chunk_length(b, t, v)
+    assert f"f32[{b},{c},{v}]" in text and f"f32[{b},{t},{v}]" not in text
+
+
 def test_final_logit_soft_cap_matches_the_model():
     """Gemma 2's capped logits: the chunked loss caps per chunk exactly as the model does."""
     cfg = CFG.replace(final_logit_soft_cap=0.5)  # small, so the cap changes the loss a lot

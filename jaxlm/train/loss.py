@@ -7,7 +7,9 @@ We keep those semantics but normalise by the number of unmasked targets (Keras' 
 
 Gemma's 256k-vocabulary logits in float32 are 1 GiB per 1k tokens, so the loss projects the
 final hidden states onto the tied embedding one sequence chunk at a time; each chunk is
-rematerialised in the backward pass, so at most one [B, C, V] block is alive at once.
+rematerialised in the backward pass, so at most one [B, C, V] block is alive at once. The chunk
+length is chosen so that block stays under a fixed number of logits: with the seed's layout the
+embedding is split on the hidden axis, so every model-axis device holds the whole block.
 
 Losses here return SUMS plus the token count; callers divide by the total count, which is what
 makes gradient accumulation exact (see jaxlm/train/step.py).
@@ -25,17 +27,26 @@ def shift(token_ids, padding_mask):
     return token_ids[:, :-1], padding_mask[:, :-1], token_ids[:, 1:], padding_mask[:, 1:]
 
 
-def chunked_cross_entropy(hidden, embeddings, targets, weights, *, chunk_size: int = 128,
+CHUNK_LOGITS = 2 ** 22  # logits per [B, C, V] block: 16 MiB in float32
+
+
+def chunk_length(batch: int, length: int, vocab: int, budget: int = CHUNK_LOGITS) -> int:
+    """Positions per chunk so that batch * C * vocab <= budget (at least 1, at most `length`)."""
+    return max(1, min(length, budget // max(1, batch * vocab)))
+
+
+def chunked_cross_entropy(hidden, embeddings, targets, weights, *, chunk_size: int | None = None,
                           logit_soft_cap: float | None = None) -> Metrics:
     """Sum of weighted CE (and argmax hits) of `hidden @ embeddings.T` against `targets`.
 
     hidden [B, T, H] (compute dtype), embeddings [V, H], targets int [B, T], weights [B, T].
     The projection runs in the compute dtype (as KerasHub's `ReversibleEmbedding`); logsumexp and
-    the target logit are taken in float32, per chunk of `chunk_size` positions.
+    the target logit are taken in float32, per chunk of `chunk_size` positions (default: as many
+    as keep a chunk's logits within CHUNK_LOGITS).
     logit_soft_cap: Gemma 2's final cap, tanh(logits / cap) * cap, applied per chunk.
     """
     b, t, h = hidden.shape
-    c = max(1, min(chunk_size, t))
+    c = max(1, min(chunk_size or chunk_length(b, t, embeddings.shape[0]), t))
     pad = (-t) % c
     weights = weights.astype(jnp.float32)
     if pad:  # padded positions carry weight 0
@@ -78,7 +89,7 @@ def naive_cross_entropy(logits, targets, weights) -> Metrics:
     return {"loss_sum": (ce * weights).sum(), "correct": (hit * weights).sum(), "count": weights.sum()}
 
 
-def lm_loss_fn(model, *, chunk_size: int = 128):
+def lm_loss_fn(model, *, chunk_size: int | None = None):
     """-> loss_fn(params, batch, rng) -> (loss_sum, metrics) for `jaxlm.train.step`.
 
     batch: {"token_ids": int32 [B, T+1], "padding_mask": bool [B, T+1]} packed as KerasHub does
