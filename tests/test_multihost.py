@@ -256,3 +256,14 @@ def test_local_rows_follow_the_mesh():
         s = NamedSharding(sharding.make_mesh(spec), P("batch"))
         assert distributed.local_rows(s, (8, 5)) == slice(0, 8)
     assert jax.process_count() == 1
+
+    class Host:  # what host 1 of 2 sees: its devices' index map only
+        def __init__(self, blocks):
+            self.blocks = blocks
+
+        def addressable_devices_indices_map(self, shape):
+            return {d: (slice(a, b), slice(None)) for d, (a, b) in enumerate(self.blocks)}
+    assert distributed.local_rows(Host([(4, 6), (6, 8), (4, 6)]), (8, 5)) == slice(4, 8)
+    assert distributed.local_rows(Host([(0, 2), (0, 2)]), (4, 5)) == slice(0, 2)
+    with pytest.raises(UserError, match="non-contiguous"):
+        distributed.local_rows(Host([(0, 2), (4, 6)]), (8, 5))
