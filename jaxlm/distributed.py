@@ -149,9 +149,10 @@ def num_processes_hint(argv: list[str], environ=None) -> int:
 def initialize(s: Settings) -> bool:
     """Start `jax.distributed` when the settings or the environment ask for it; -> started.
 
-    A worker (process_id > 0) first waits at most `initialization_timeout` seconds for the
-    coordinator's port to accept connections: JAX itself would abort the process with a fatal
-    log, and that is not something a user can read.
+    Every wait is bounded by `initialization_timeout` and ends in one line (UserError, or
+    exit 2 from a watchdog): a worker (process_id > 0) first waits for the coordinator's port to
+    accept connections, and no process waits past the timeout for the others to join. JAX alone
+    would abort the process with a C++ stack trace in both cases.
     """
     explicit = (s.coordinator_address, s.num_processes, s.process_id) != (None, None, None)
     detected = cluster_env()
@@ -176,8 +177,9 @@ def initialize(s: Settings) -> bool:
     # When the others never join, JAX aborts the process with a C++ stack trace once its own
     # timeout passes; this watchdog fires first and says it in one line (exit 2, like UserError).
     who = f"process {s.process_id}" if s.process_id is not None else "this process"
+    count = f"{s.num_processes} " if s.num_processes else ""
     watchdog = threading.Timer(remaining, _give_up, args=(
-        f"error: {who}: not all {s.num_processes or ''} processes joined the coordinator "
+        f"error: {who}: not all {count}processes joined the coordinator "
         f"{s.coordinator_address or '(auto-detected)'} within {s.initialization_timeout}s; start "
         "every process with the same --num_processes and --coordinator_address",))
     watchdog.daemon = True
@@ -193,7 +195,7 @@ def initialize(s: Settings) -> bool:
 
 
 def _give_up(line: str) -> None:
-    print(line.replace("all  processes", "all processes"), file=sys.stderr, flush=True)
+    print(line, file=sys.stderr, flush=True)
     os._exit(2)  # the main thread is blocked inside JAX's C++ connect
 
 
