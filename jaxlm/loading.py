@@ -150,8 +150,10 @@ def save(out_dir: str, model, params: dict, tokenizer=None) -> None:
     family = families.by_config(model.config)
     os.makedirs(out_dir, exist_ok=True)
     ckpt = os.path.join(os.path.abspath(out_dir), "params")
-    with ocp.StandardCheckpointer() as ckptr:
+    with ocp.StandardCheckpointer() as ckptr:  # collective: every host writes its shards
         ckptr.save(ckpt, params, force=True)
+    if jax.process_index() != 0:  # the plain files once, from one host
+        return
     config = model.config.to_dict()
     with open(os.path.join(out_dir, FOLDER_META), "w") as f:
         json.dump({"family": family.name, "config": config, "format": 1}, f, indent=2)
