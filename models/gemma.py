@@ -243,14 +243,49 @@ class Gemma(nn.Module):
         positions = jnp.broadcast_to(positions, (b, t))
 
         new_cache = {} if cache is not None else None
-        for i, block in enumerate(self.blocks):
-            layer_cache = None if cache is None else cache[f"decoder_block_{i}"]
-            x, layer_cache = block(x, positions, local_mask if block.local else mask, layer_cache, cache_index)
-            if cache is not None:
-                new_cache[f"decoder_block_{i}"] = layer_cache
+        if cache is None and not self.is_initializing():
+            x = self._scan_blocks(x, positions, mask, local_mask if cfg.sliding_window_size else mask)
+        else:  # init names the parameters; decoding keeps one cache entry per layer
+            for i, block in enumerate(self.blocks):
+                layer_cache = None if cache is None else cache[f"decoder_block_{i}"]
+                x, layer_cache = block(x, positions, local_mask if block.local else mask, layer_cache, cache_index)
+                if cache is not None:
+                    new_cache[f"decoder_block_{i}"] = layer_cache
         x = self.final_normalization(x)
         out = x if return_hidden else soft_cap(self.token_embedding.attend(x), cfg.final_logit_soft_cap)
         return out if cache is None else (out, new_cache)
+
+
+    def _scan_blocks(self, x, positions, mask, local_mask):
+        """The blocks as one `lax.scan` over layer periods, so compile time does not grow with depth.
+
+        The parameter tree keeps KerasHub's `decoder_block_{i}` paths: the scan runs over a
+        stacked view [L/P, P, ...] built here (a copy of the block weights per call, which XLA
+        fuses into the step). P = sliding_window_pattern when local layers exist (the body
+        holds one period of local/global blocks with their static masks and RoPE bases), else 1;
+        layers past the last whole period run unrolled. Same math as the per-layer loop.
+        """
+        cfg = self.config
+        period = cfg.sliding_window_pattern if cfg.sliding_window_size is not None else 1
+        n = cfg.num_layers // period * period
+        layer_params = [self.blocks[i].variables["params"] for i in range(cfg.num_layers)]
+        kinds = [DecoderBlock(cfg, cfg.is_local(j), parent=None) for j in range(period)]  # unbound
+
+        def body(h, period_params):
+            for j, block in enumerate(kinds):
+                h, _ = block.apply({"params": jax.tree.map(lambda p: p[j], period_params)},
+                                   h, positions, local_mask if block.local else mask)
+            return h, None
+
+        if cfg.remat:  # as nn.remat on each block: keep only each period's input
+            body = jax.checkpoint(body)
+        if n:
+            stacked = jax.tree.map(lambda *p: jnp.stack(p).reshape(n // period, period, *p[0].shape),
+                                   *layer_params[:n])
+            x, _ = jax.lax.scan(body, x, stacked)
+        for i in range(n, cfg.num_layers):
+            x, _ = self.blocks[i](x, positions, local_mask if self.blocks[i].local else mask)
+        return x
 
 
 def soft_cap(logits, cap: float | None):
