@@ -6,8 +6,9 @@ We keep those semantics but normalise by the number of unmasked targets (Keras' 
 "sum_over_batch_size" divides by B*T, which makes the loss depend on the padding amount).
 
 Gemma's 256k-vocabulary logits in float32 are 1 GiB per 1k tokens, so the loss projects the
-final hidden states onto the tied embedding one sequence chunk at a time; each chunk is
-rematerialised in the backward pass, so at most one [B, C, V] block is alive at once. The chunk
+final hidden states onto the tied embedding one sequence chunk at a time, and computes each
+chunk's gradient with its loss (a custom VJP), so at most one [B, C, V] block is alive at once
+and no logits are recomputed in the backward pass. The chunk
 length is chosen so that block stays under a fixed number of logits: with the seed's layout the
 embedding is split on the hidden axis, so every model-axis device holds the whole block.
 
@@ -15,6 +16,8 @@ Losses here return SUMS plus the token count; callers divide by the total count,
 makes gradient accumulation exact (see jaxlm/train/step.py).
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -57,26 +60,70 @@ def chunked_cross_entropy(hidden, embeddings, targets, weights, *, chunk_size: i
     # [n, B, C, ...]: scan over sequence chunks.
     to_chunks = lambda x: jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)  # noqa: E731
     emb = embeddings.astype(hidden.dtype)
-
-    @jax.checkpoint  # keep only hidden chunks as residuals, never the [B, C, V] logits
-    def chunk(h_c, y_c, w_c):
-        logits = jnp.einsum("BCH,VH->BCV", h_c, emb).astype(jnp.float32)
-        if logit_soft_cap is not None:
-            logits = jnp.tanh(logits / logit_soft_cap) * logit_soft_cap
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        target_logit = jnp.take_along_axis(logits, y_c[..., None], axis=-1)[..., 0]
-        ce = (lse - target_logit) * w_c
-        hit = (jnp.argmax(logits, axis=-1) == y_c).astype(jnp.float32) * w_c
-        return ce.sum(), hit.sum()
-
-    def body(carry, xs):
-        ce, hit = chunk(*xs)
-        return (carry[0] + ce, carry[1] + hit), None
-
-    zero = jnp.zeros((), jnp.float32)
-    (loss_sum, correct), _ = jax.lax.scan(body, (zero, zero),
-                                          (to_chunks(hidden), to_chunks(targets), to_chunks(weights)))
+    loss_sum, correct = _fused_ce(to_chunks(hidden), emb, to_chunks(targets), to_chunks(weights),
+                                  logit_soft_cap)
     return {"loss_sum": loss_sum, "correct": correct, "count": weights.sum()}
+
+
+def _chunk_logits(h_c, emb, cap):
+    """-> (float32 logits [B, C, V] after the cap, tanh(logits / cap) or None)."""
+    logits = jnp.einsum("BCH,VH->BCV", h_c, emb).astype(jnp.float32)
+    if cap is None:
+        return logits, None
+    th = jnp.tanh(logits / cap)
+    return th * cap, th
+
+
+def _chunk_sums(logits, y_c, w_c):
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, y_c[..., None], axis=-1)[..., 0]
+    hit = (jnp.argmax(logits, axis=-1) == y_c).astype(jnp.float32) * w_c
+    return ((lse - target_logit) * w_c).sum(), hit.sum(), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_ce(h, emb, y, w, cap):
+    """h [n, B, C, H], emb [V, H], y/w [n, B, C] -> (loss_sum, correct); no [B, T, V] is kept."""
+    def body(carry, xs):
+        h_c, y_c, w_c = xs
+        ce, hit, _ = _chunk_sums(_chunk_logits(h_c, emb, cap)[0], y_c, w_c)
+        return (carry[0] + ce, carry[1] + hit), None
+    zero = jnp.zeros((), jnp.float32)
+    return jax.lax.scan(body, (zero, zero), (h, y, w))[0]
+
+
+def _fused_ce_fwd(h, emb, y, w, cap):
+    """The gradient is computed with the loss, chunk by chunk: dCE/dlogits = softmax - onehot
+    (times the weight, and tanh' under the cap) is projected back at once, so the logits are
+    neither stored for the backward pass nor recomputed in it (a rematerialised chunk would
+    redo the [B, C, H] x [H, V] projection: 14-21% of a small-model step)."""
+    def body(carry, xs):
+        loss, hits, d_emb = carry
+        h_c, y_c, w_c = xs
+        logits, th = _chunk_logits(h_c, emb, cap)
+        ce, hit, lse = _chunk_sums(logits, y_c, w_c)
+        d = jnp.exp(logits - lse[..., None])
+        d = d - jax.nn.one_hot(y_c, logits.shape[-1], dtype=d.dtype)
+        d = d * w_c[..., None]
+        if th is not None:
+            d = d * (1.0 - th * th)
+        d = d.astype(h_c.dtype)
+        d_h = jnp.einsum("BCV,VH->BCH", d, emb)
+        d_emb = d_emb + jnp.einsum("BCV,BCH->VH", d, h_c, preferred_element_type=jnp.float32)
+        return (loss + ce, hits + hit, d_emb), d_h
+    zero = jnp.zeros((), jnp.float32)
+    init = (zero, zero, jnp.zeros(emb.shape, jnp.float32))
+    (loss, hits, d_emb), d_h = jax.lax.scan(body, init, (h, y, w))
+    return (loss, hits), (d_h, d_emb.astype(emb.dtype))
+
+
+def _fused_ce_bwd(cap, res, g):
+    d_h, d_emb = res
+    g_loss = g[0]  # `correct` (argmax hits) has no gradient
+    return (d_h * g_loss.astype(d_h.dtype), d_emb * g_loss.astype(d_emb.dtype), None, None)
+
+
+_fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
 
 
 def naive_cross_entropy(logits, targets, weights) -> Metrics:
