@@ -51,3 +51,12 @@ def test_decode_step_compiles_for_v5e(tiny):
 def test_unknown_topology_is_one_line_error():
     with pytest.raises(UserError, match="v5e:2x4"):
         aot.topology_devices("v5e-8")
+
+
+def test_train_py_compile_only_prints_the_table(capsys):
+    from jaxlm.train import cli, lm
+    rc = lm.run(cli.parse(["--preset=gemma_tiny", "--mesh=1x8", "--compile_only=v5e:2x4",
+                           "--sequence_length=32", "--out=/nonexistent/never/written"]))
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "TPU v5 lite" in out and "fits" in out and "temporaries" in out
