@@ -185,8 +185,9 @@ def test_default_preset_is_the_demo_model_when_installed(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, cli.DEMO_PACKAGE, None)  # not installed
     assert lm.default_preset() == cli.TOY_PRESET
     assert "demo extra is not installed" in capsys.readouterr().out
-    fake = types.SimpleNamespace(assemble=lambda: "/somewhere/gemma-3-270m.gguf")
+    import pathlib
+    fake = types.SimpleNamespace(assemble=lambda: pathlib.Path("/somewhere/gemma-3-270m.gguf"))
     monkeypatch.setitem(sys.modules, cli.DEMO_PACKAGE, fake)
-    assert lm.default_preset() == "/somewhere/gemma-3-270m.gguf"
+    assert lm.default_preset() == "/somewhere/gemma-3-270m.gguf"  # a str: it goes into JSON
     monkeypatch.setenv("JAXLM_DEFAULT_PRESET", "gemma_tiny")
     assert lm.default_preset() == "gemma_tiny"

