@@ -146,7 +146,7 @@ class Report:
     temporaries: int      # compiler's temp buffers (activations, gradients, workspace)
     total: int            # arguments + outputs not aliased to them + temporaries + code
     hbm: float | None     # usable HBM per device; None when unknown (cpu)
-    flops: float | None   # per device, from cost_analysis()
+    flops: float | None   # per device, from cost_analysis() (the layer scan's body counts once)
     collectives: dict     # op name -> count in the partitioned program
     compile_s: float
     fits: bool
@@ -169,8 +169,8 @@ class Report:
         if self.error:
             lines.append(f"  compiler: {self.error}")
         if self.flops:
-            lines.append(f"  {'FLOPs per device':<24}{self.flops:.3e}")
-        lines.append("  collectives: " + (", ".join(f"{k} x{v}" for k, v in self.collectives.items()
+            lines.append(f"  {'XLA FLOPs per device':<24}{self.flops:.3e}  (a loop body counts once)")
+        lines.append("  collectives in the program text (loop bodies once): " + (", ".join(f"{k} x{v}" for k, v in self.collectives.items()
                                                     if v) or "none"))
         return "\n".join(lines)
 
