@@ -66,7 +66,7 @@ def train_throughput(preset, dtype, mesh, *, lora_rank, batch_size, seq, steps, 
     else:
         trainable, frozen, merge = params, None, None
     state = init_state(trainable, optimizer, seed, mesh)
-    del trainable, params
+    trainable = params = None  # the state owns them (donated to every step)
     batch_shd = micro_batch_sharding(mesh)
     step = make_train_step(lm_loss_fn(model), optimizer, merge=merge,
                            state_shardings=shardings_of(state),
@@ -88,7 +88,7 @@ def train_throughput(preset, dtype, mesh, *, lora_rank, batch_size, seq, steps, 
     print(f"  compiled + first step in {time.perf_counter() - t0:.1f} s")
     one()
     t = median(timed(one, steps))
-    del holder, frozen
+    holder = frozen = None  # free the model before the next one is built
     gc.collect()
     return batch_size * seq / t, t, model.config
 
@@ -113,7 +113,7 @@ def decode_throughput(preset, dtype, *, batch_size, prompt_len, short, long, see
     total = decode.bucket(long, decode.MIN_TOTAL_BUCKET)
     kv_bytes = (2 * cfg.num_layers * batch_size * total * cfg.num_kv_heads * cfg.head_dim
                 * np.dtype(dtype).itemsize)  # the loop attends over every cache slot
-    del params
+    params = None
     gc.collect()
     return batch_size / per_step, per_step, weights + kv_bytes
 
