@@ -288,7 +288,7 @@ class Gemma(nn.Module):
                                    *layer_params[:n])
             x, _ = jax.lax.scan(body, x, stacked)
         for i in range(n, cfg.num_layers):
-            x, _ = self.blocks[i](x, positions, local_mask if self.blocks[i].local else mask)
+            x, _ = self.blocks[i](x, positions, local_mask if self.blocks[i].local else mask, None, None)
         return x
 
 
