@@ -94,7 +94,7 @@ def _bytes_per_device(tree) -> int:
 def abstract_train_inputs(model, params, mesh, *, lora_rank: int, layout=None, batch_size: int,
                           sequence_length: int, accum_steps: int = 1, optimizer=None,
                           lora_alpha=None, lora_targets=None):
-    """-> (state, frozen, batch, step_kwargs) as ShapeDtypeStructs placed on `mesh`.
+    """-> (state, frozen, batch, make_train_step kwargs, optimizer); arrays are ShapeDtypeStructs on `mesh`.
 
     params: abstract parameter tree (`jaxlm.load(..., abstract=True)`). Mirrors `lm.run`:
     the same rules, adapter specs, optimizer-state placement and batch sharding.
