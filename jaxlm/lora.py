@@ -178,6 +178,15 @@ def trainable_count(params: dict, rank: int, targets=None) -> int:
 
 # --- KerasHub .lora.h5 ----------------------------------------------------------------------
 
+def keras_lora_supported(config) -> bool:
+    """Whether `.lora.h5` import/export knows this config's KerasHub layer order."""
+    try:
+        keras_layers(config)
+    except UserError:
+        return False
+    return True
+
+
 def keras_layers(config) -> list[str]:
     """Paths of the backbone's layers that own weights, in KerasHub `_flatten_layers` order.
 

@@ -291,14 +291,20 @@ def export(a: cli.Args, model, params, adapters, tokenizer, family) -> None:
     lead = jax.process_index() == 0  # orbax coordinates hosts itself; plain files: host 0 only
     if adapters is not None:
         checkpoint.save_tree(os.path.join(a.out, "adapters"), adapters)
-        whole = adapters
-        if jax.process_count() > 1:  # small: gather the adapter shards every host holds
-            from jax.experimental import multihost_utils
-            whole = multihost_utils.process_allgather(adapters, tiled=True)
-        if lead:
-            lora.save_keras_lora(os.path.join(a.out, "adapters.lora.h5"), whole, model.config,
-                                 alpha=a.lora_alpha)
-        written += ["adapters/", "adapters.lora.h5"]
+        written.append("adapters/")
+        if not lora.keras_lora_supported(model.config):  # the orbax adapters above still hold them
+            if lead:
+                print("note: no adapters.lora.h5 (KerasHub's LoRA file layout is known for Gemma 1 "
+                      "and RoBERTa only); the adapters are in adapters/")
+        else:
+            whole = adapters
+            if jax.process_count() > 1:  # small: gather the adapter shards every host holds
+                from jax.experimental import multihost_utils
+                whole = multihost_utils.process_allgather(adapters, tiled=True)
+            if lead:
+                lora.save_keras_lora(os.path.join(a.out, "adapters.lora.h5"), whole, model.config,
+                                     alpha=a.lora_alpha)
+            written.append("adapters.lora.h5")
     if adapters is None or a.export == "merged":
         merged = params if adapters is None else jax.jit(
             lambda p, t: lora.merge(p, t, alpha=a.lora_alpha))(params, adapters)
