@@ -115,6 +115,19 @@ def restore_latest(mngr: ocp.CheckpointManager, like_state: dict):
     return out["state"], out["meta"]
 
 
+def resume(mngr: ocp.CheckpointManager, like_state: dict, fingerprint: dict, out: str):
+    """`restore_latest`, refusing a checkpoint whose run had different flags (the `fingerprint`
+    saved in its meta): resuming it would silently mix two trainings."""
+    restored = restore_latest(mngr, like_state)
+    if restored is not None:
+        saved = restored[1].get("fingerprint", {})
+        diff = sorted(k for k in fingerprint if saved.get(k) != fingerprint[k])
+        if diff or set(saved) != set(fingerprint):
+            raise UserError(f"{out} holds a checkpoint of a different run (flags differ: "
+                            f"{', '.join(diff) or 'the set of flags'}); use another --out or the same flags")
+    return restored
+
+
 def save_tree(path: str, tree) -> None:
     """Write one tree (e.g. the final adapters) as a standalone orbax checkpoint at `path`."""
     with ocp.StandardCheckpointer() as ckptr:

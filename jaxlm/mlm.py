@@ -19,7 +19,6 @@ import dataclasses
 import os
 import sys
 
-import numpy as np
 
 from jaxlm.errors import UserError, cli
 
@@ -196,13 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                             "weight_decay", "per_replica_batch_size", "seed", "mlm_probability")}
     fingerprint.update(steps=steps, mesh=f"{replicas}x{mesh.shape['model']}", data_readers=readers)
     mngr = checkpoint.manager(os.path.join(a.out, "checkpoints"), keep=a.keep)
-    restored = checkpoint.restore_latest(mngr, state)
+    restored = checkpoint.resume(mngr, state, fingerprint, a.out)
     if restored is not None:
         state, meta = restored
-        if meta.get("fingerprint") != fingerprint:
-            diff = sorted(k for k in fingerprint if meta.get("fingerprint", {}).get(k) != fingerprint[k])
-            raise UserError(f"{a.out} holds a checkpoint of a different run (flags differ: "
-                            f"{', '.join(diff)}); use another --out or the same flags")
         print(f"resuming from step {meta['step']} (epoch {meta['epoch']}, batch {meta['batch']})")
 
     step_fn = make_train_step(mlm_loss_fn(model), optimizer, state_shardings=shardings_of(state),

@@ -213,15 +213,11 @@ def run(a: cli.Args) -> int:
     os.makedirs(a.out, exist_ok=True)
     fp = cli.fingerprint(a) | ({"steps": steps} if a.schedule == "cosine" else {})
     mngr = checkpoint.manager(os.path.join(a.out, "checkpoints"), keep=a.keep)
-    restored = checkpoint.restore_latest(mngr, state)
+    restored = checkpoint.resume(mngr, state, fp, a.out)
     evaluator = Evaluator(a, tokenizer, held, mesh, train.instructions)
     before_path = os.path.join(a.out, "eval_before.json")
     if restored is not None:
         state, meta = restored
-        if meta.get("fingerprint") != fp:
-            diff = sorted(k for k in fp if meta.get("fingerprint", {}).get(k) != fp[k])
-            raise UserError(f"{a.out} holds a checkpoint of a different run (flags differ: "
-                            f"{', '.join(diff)}); use another --out or the same flags")
         print(f"resuming from step {meta['step']} ({a.out}/checkpoints/{meta['step']}, "
               f"data position {meta['data_position']})")
         before = {}
