@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jaxlm import families
 from jaxlm.convert import keras_preset
 from jaxlm.errors import UserError
-from jaxlm.tree import flatten, unflatten
+from jaxlm.tree import flatten, place_streamed, unflatten
 
 Placement = Callable[[str, tuple], jax.sharding.Sharding]
 FOLDER_META = "jaxlm.json"
@@ -169,14 +169,9 @@ def _read_gguf_params(path: str, config, shapes: dict, placement: Placement | No
         missing, extra = sorted(set(shapes) - set(flat)), sorted(set(flat) - set(shapes))
         raise UserError(f"{path} does not match its own metadata (missing {missing[:3]}, "
                         f"unexpected {extra[:3]}); the file is damaged or not a Gemma model")
-    out = {}
-    for p, spec in shapes.items():
-        arr = flat.pop(p)
-        if arr.shape != tuple(spec.shape):
-            raise UserError(f"GGUF tensor for {p} has shape {arr.shape}, expected {tuple(spec.shape)}")
-        arr = arr.astype(spec.dtype)
-        out[p] = jax.device_put(arr, placement(p, arr.shape)) if placement else jax.device_put(arr)
-    return unflatten(out)
+    return place_streamed(  # pop: each dequantised tensor is freed once placed
+        shapes, flat.pop, placement,
+        lambda p, got, want: f"GGUF tensor for {p} has shape {got}, expected {want}")
 
 
 def _restore_folder_params(path: str, shapes: dict, placement: Placement | None) -> dict:

@@ -1,6 +1,30 @@
 """Parameter trees are nested dicts; these helpers key them by path strings ("a/b/kernel")."""
 from __future__ import annotations
 
+from typing import Callable
+
+import jax
+
+from jaxlm.errors import UserError
+
+
+def place_streamed(abstract: dict, fetch: Callable, placement=None, mismatch: Callable = None) -> dict:
+    """Fill `abstract` ({path: ShapeDtypeStruct}) tensor by tensor -> nested dict of arrays.
+
+    Each host array `fetch(path)` is shape-checked (`mismatch(path, got, want)` -> the error
+    line), cast, placed (`placement(path, shape) -> Sharding`, else the default device) and
+    dropped before the next is fetched, so host memory holds one tensor beyond the source.
+    """
+    flat = {}
+    for path, spec in abstract.items():
+        arr = fetch(path)
+        if arr.shape != tuple(spec.shape):
+            raise UserError(mismatch(path, arr.shape, tuple(spec.shape)))
+        arr = arr.astype(spec.dtype, copy=False)
+        flat[path] = jax.device_put(arr, placement(path, arr.shape)) if placement else jax.device_put(arr)
+        del arr
+    return unflatten(flat)
+
 
 def flatten(tree: dict, prefix: str = "") -> dict:
     """Nested dict -> {"a/b/c": leaf}."""

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxlm import families
 from jaxlm.errors import UserError
-from jaxlm.tree import flatten, unflatten
+from jaxlm.tree import flatten, place_streamed
 
 TASK_PREFIX = "task:"  # a family's keras_paths value with this prefix lives in task.weights.h5
 
@@ -155,17 +155,11 @@ def read_params(family, config, files: dict[str, str], abstract: dict,
     missing = sorted(set(abstract) - set(paths))
     if missing:
         raise RuntimeError(f"no Keras name for parameters {missing[:3]}…")  # a bug in the family
-    flat = {}
     with H5Store(files) as store:
-        for path, spec in abstract.items():
-            arr = store.get(paths[path])
-            if arr.shape != tuple(spec.shape):
-                raise UserError(f"weight {path} has shape {arr.shape} in the file but the config says "
-                                f"{tuple(spec.shape)}; the weights do not belong to this config.json")
-            arr = arr.astype(spec.dtype, copy=False)
-            flat[path] = jax.device_put(arr, placement(path, arr.shape)) if placement else jax.device_put(arr)
-            del arr
-    return unflatten(flat)
+        return place_streamed(
+            abstract, lambda path: store.get(paths[path]), placement,
+            lambda path, got, want: (f"weight {path} has shape {got} in the file but the config says "
+                                     f"{want}; the weights do not belong to this config.json"))
 
 
 def write_preset(family, config, params: dict, out_dir: str, tokenizer=None) -> None:
