@@ -28,7 +28,19 @@ class Greedy:
 
     def __call__(self, logits, key):
         del key
-        return jnp.argmax(_probabilities(logits, self.temperature), axis=-1).astype(jnp.int32)
+        return argmax(_probabilities(logits, self.temperature))
+
+
+def argmax(x):
+    """x [B, V] -> the first index of each row's maximum [B] int32, as `jnp.argmax`.
+
+    As a max, then a min over the indices that reach it: two plain reductions that XLA:CPU
+    vectorises, where its (value, index) argmax reduction takes ~3x longer (~0.3 ms per decode
+    step on a 32k vocabulary at batch 4). A row with NaN gives its last index.
+    """
+    top = jnp.max(x, axis=-1, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(x == top, index, x.shape[-1] - 1), axis=-1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,7 +54,14 @@ class Embedding(nn.Module):
 
     def attend(self, x):
         """x [B, T, H] -> logits [B, T, V]."""
-        return jnp.einsum("BTH,VH->BTV", x.astype(self.dtype), self.embeddings.astype(self.dtype))
+        table, x = self.embeddings.astype(self.dtype), x.astype(self.dtype)
+        if x.shape[1] == 1:
+            # A decode step: [V, H] @ [H, B] streams the table row by row (memory-bound at small
+            # B; on CPU ~1.5x faster than [B, H] @ [H, V], which reads it across rows). The
+            # barrier stops XLA from folding the transpose back into the dot.
+            logits = jnp.einsum("VH,BH->VB", table, x[:, 0])
+            return jax.lax.optimization_barrier(logits).T[:, None]
+        return jnp.einsum("BTH,VH->BTV", x, table)
 
 
 def rope(x, positions, base: float, scaling_factor: float = 1.0):

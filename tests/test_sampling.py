@@ -42,6 +42,13 @@ def test_greedy_is_argmax():
     assert sampling.Greedy()(LOGITS, None).tolist() == [1, 0]
 
 
+def test_argmax_matches_jnp_argmax_including_ties():
+    x = jax.random.randint(jax.random.key(0), (64, 300), 0, 7).astype(jnp.float32)  # many ties
+    x = x.at[3].set(-jnp.inf).at[5, 10].set(jnp.inf)
+    np.testing.assert_array_equal(jax.jit(sampling.argmax)(x), jnp.argmax(x, axis=-1))
+    assert sampling.argmax(x).dtype == jnp.int32
+
+
 def test_random_follows_the_softmax_and_is_seeded():
     freq = np.stack([np.bincount(d, minlength=5) for d in draws(sampling.Random()).T]) / 2000
     np.testing.assert_allclose(freq, jax.nn.softmax(LOGITS), atol=0.04)
