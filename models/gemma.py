@@ -152,10 +152,7 @@ class Attention(nn.Module):
 
         out = layers.grouped_attention(q, key, value, mask, cfg.attention_logit_soft_cap)  # [B, T, N, D]
         out_proj = layers.Einsum((n, d, h), dtype, name="attention_output")
-        if step:  # per-head partial outputs [N, B, H], summed over heads
-            out = out_proj("NBD,NDH->NBH", jnp.transpose(out[:, 0], (1, 0, 2))).sum(0)[:, None]
-        else:
-            out = out_proj("BTND,NDH->BTH", out)
+        out = out_proj("BTND,NDH->BTH", out)
         return out, cache
 
 
