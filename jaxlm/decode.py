@@ -40,6 +40,10 @@ from jaxlm.errors import UserError
 
 Stream = Callable[[int, np.ndarray], None]
 TRACES = 0  # incremented each time a decode function is traced, i.e. compiled
+# On CPU each call builds a transposed copy of the block kernels for its steps (the step layout
+# of models.layers.Einsum, ~15% faster steps); models whose block kernels exceed this keep
+# their stored layout rather than hold a second copy while generating.
+STEP_LAYOUT_MAX_BYTES = 2 << 30
 MIN_PROMPT_BUCKET = 16
 MIN_TOTAL_BUCKET = 32
 _STOP_SLOTS = 8  # stop ids are a traced [8] array (-1 = unused), so changing them never recompiles
@@ -137,6 +141,9 @@ def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming
     from models.gemma import init_cache  # only Gemma decodes; imported here to keep the
     cfg = model.config                   # module importable for other families' tooling
     kv_spec = None
+    platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
+    block_bytes = (cfg.num_params - cfg.vocab_size * cfg.hidden_dim) * jnp.dtype(cfg.dtype).itemsize
+    step_layout = platform == "cpu" and block_bytes <= STEP_LAYOUT_MAX_BYTES
     if mesh is not None:
         heads = "model" if cfg.num_kv_heads % mesh.shape["model"] == 0 else None
         kv_spec = NamedSharding(mesh, P("batch", None, heads, None))
@@ -151,6 +158,11 @@ def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming
         # Prefill: causal attention only (no key mask), as KerasHub's _build_cache; a row's
         # slots past its prompt hold junk that the loop overwrites before anything reads it.
         _, cache = model.apply({"params": params}, prompt, cache=cache, cache_index=0)
+        variables = {"params": params}
+        if step_layout:  # one traced step with the collection mutable builds it; XLA keeps
+            _, layout = model.apply(variables, prompt[:, :1], cache=cache,  # only the rows
+                                    cache_index=0, mutable=["step_layout"])
+            variables = {**variables, **layout}
         ids = jnp.zeros((batch, total), jnp.int32).at[:, :prompt_len].set(prompt)
         positions = jnp.arange(total)
         start = jnp.min(lengths)
@@ -162,7 +174,7 @@ def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming
         def body(state):
             index, ids, cache, done, stop_at = state
             last = jax.lax.dynamic_slice_in_dim(ids, index - 1, 1, axis=1)  # [Bb, 1]
-            logits, cache = model.apply({"params": params}, last, cache=cache,
+            logits, cache = model.apply(variables, last, cache=cache,
                                         cache_index=index - 1)
             token = sampler(logits[:, 0], jax.random.fold_in(key, index))
             in_prompt = index < lengths

@@ -120,14 +120,13 @@ class Attention(nn.Module):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         n, k, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim
-        # One new token per row (a decode step): heads are the batch dim of the dot, so XLA
-        # reads the [N, H, D] kernels in place instead of re-transposing them to [H, N*D] on
-        # every step of the decode loop (~6-9% of a CPU decode step). Same math; training and
-        # prefill keep the plain einsums (bit-identical to before).
+        # A decode step without a step layout (see layers.Einsum): heads are the batch dim of
+        # the dot, so XLA reads the [N, H, D] kernels in place instead of re-transposing them
+        # to [H, N*D] on every step of the decode loop (~6-9% of a CPU decode step).
         step = cache is not None and x.shape[1] == 1
         projs = [layers.Einsum((heads, h, d), dtype, name=name)
                  for heads, name in ((n, "query"), (k, "key"), (k, "value"))]
-        if step:
+        if step and not layers.uses_step_layout(self):
             q, key, value = (_per_head(proj, x) for proj in projs)
         else:
             q, key, value = (proj("BTH,NHD->BTND", x) for proj in projs)

@@ -5,6 +5,8 @@ in float32, everything else in the module's compute dtype.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
@@ -15,14 +17,54 @@ kernel_init = nn.initializers.xavier_uniform()
 
 
 class Einsum(nn.Module):
-    """A bias-free projection `einsum(eq, x, kernel)`, kernel of `shape`, computed in `dtype`."""
+    """A bias-free projection `einsum(eq, x, kernel)`, kernel of `shape`, computed in `dtype`.
+
+    Decode steps (x [B, 1, ...]) can use the kernel's *step layout* instead: the same weights as
+    an [out, in] row-major matrix, multiplied as rows @ x^T. On CPU a skinny matmul streams
+    such a matrix ~15% faster than the stored [in, out] one, and decoding a small model is
+    bound by that stream. Transposing costs a full read and write of the kernel, so the
+    decoder builds the layout once per call, before its loop: it applies one step with the
+    `step_layout` collection mutable (each Einsum stores its rows), then passes the
+    collection to every step.
+    """
     shape: tuple[int, ...]
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, eq: str, x):
         kernel = self.param("kernel", kernel_init, self.shape, self.dtype)
+        if x.shape[1] == 1 and uses_step_layout(self):
+            return self._step(eq, x, kernel)
         return jnp.einsum(eq, x.astype(self.dtype), kernel.astype(self.dtype))
+
+    def _step(self, eq: str, x, kernel):
+        """x [B, 1, *in] -> [B, 1, *out] through the [out, in] rows (see the class docstring)."""
+        x_spec, k_spec = eq.split("->")[0].split(",")
+        in_axes = [i for i, c in enumerate(k_spec) if c in x_spec]
+        out_axes = [i for i, c in enumerate(k_spec) if c not in x_spec]
+        if [k_spec[i] for i in in_axes] != list(x_spec[-len(in_axes):]):
+            raise ValueError(f"step layout needs x's contracted axes last, in kernel order: {eq}")
+        out_shape = [self.shape[i] for i in out_axes]
+
+        def rows():
+            k = jnp.transpose(kernel.astype(self.dtype), out_axes + in_axes)
+            return k.reshape(math.prod(out_shape), -1)
+
+        rows = self.variable("step_layout", "kernel", rows).value
+        b = x.shape[0]
+        y = matmul_rows(rows, x.reshape(b, -1).astype(self.dtype))
+        return y.reshape(b, 1, *out_shape)
+
+
+def uses_step_layout(module: nn.Module) -> bool:
+    """Whether this apply builds (mutable) or reads the `step_layout` collection."""
+    return module.is_mutable_collection("step_layout") or "step_layout" in module.variables
+
+
+def matmul_rows(rows, x):
+    """rows [O, I], x [B, I] -> x @ rows^T [B, O], computed as rows @ x^T. The barrier stops
+    XLA from folding the output transpose back into the dot (which would undo the layout)."""
+    return jax.lax.optimization_barrier(rows @ x.T).T
 
 
 class RMSNorm(nn.Module):
@@ -56,11 +98,9 @@ class Embedding(nn.Module):
         """x [B, T, H] -> logits [B, T, V]."""
         table, x = self.embeddings.astype(self.dtype), x.astype(self.dtype)
         if x.shape[1] == 1:
-            # A decode step: [V, H] @ [H, B] streams the table row by row (memory-bound at small
-            # B; on CPU ~1.5x faster than [B, H] @ [H, V], which reads it across rows). The
-            # barrier stops XLA from folding the transpose back into the dot.
-            logits = jnp.einsum("VH,BH->VB", table, x[:, 0])
-            return jax.lax.optimization_barrier(logits).T[:, None]
+            # A decode step: the table is already [out, in] rows (see Einsum's step layout);
+            # on CPU ~1.5x faster than [B, H] @ [H, V] at batch 4.
+            return matmul_rows(table, x[:, 0])[:, None]
         return jnp.einsum("BTH,VH->BTV", x, table)
 
 
