@@ -10,8 +10,8 @@ device. A KerasHub GemmaCausalLM is built with random weights and a sentencepiec
 greedily without early stopping, measured in this run after a warm-up.
 
 Decoding a small model is bound by reading every weight once per step, so the script also
-times one streaming read of the weight tree (a jitted sum over every parameter) and reports
-each decode step as a multiple of it. The step time is the slope between two max_lengths
+times one streaming read of the weight tree (a jitted sum over every parameter), interleaved
+with the generate calls, and reports each decode step as a multiple of it. The step time is the slope between two max_lengths
 (so prefill and call overhead cancel out).
 
 Ends with
@@ -77,12 +77,11 @@ def best_time(fn, repeats: int) -> float:
     return min(times)
 
 
-def weight_read_seconds(params, repeats: int = 20) -> float:
-    """One streaming read of every parameter: a jitted sum over the whole tree (fastest of
-    `repeats`, like the generate timings)."""
+def weight_reader(params):
+    """One streaming read of every parameter: a jitted sum over the whole tree."""
     read = jax.jit(lambda p: sum(jnp.sum(x, dtype=jnp.float32) for x in jax.tree.leaves(p)))
     read(params).block_until_ready()
-    return best_time(lambda: read(params).block_until_ready(), repeats)
+    return lambda: read(params).block_until_ready()
 
 
 def main() -> None:
@@ -93,7 +92,7 @@ def main() -> None:
                         help="second max_length for the per-step slope")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     import keras_hub
 
@@ -119,13 +118,16 @@ def main() -> None:
     for fn in calls.values():  # warm-up: compile both shapes
         for n in sizes:
             fn(n)
-    # Interleaved, so a burst of load on the shared machine hits both sides alike; the
-    # fastest of the repeats is the least disturbed.
+    read = weight_reader(params)
+    # Interleaved, weight reads included, so a burst of load or a dip in memory bandwidth on
+    # the shared machine hits every side alike; the fastest of the repeats is the least disturbed.
     samples = {name: {n: [] for n in sizes} for name in calls}
+    reads = []
     for _ in range(args.repeats):
         for name, fn in calls.items():
             for n in sizes:
                 samples[name][n].append(best_time(lambda: fn(n), 1))
+            reads.append(best_time(read, 4))
     timings = {name: {n: min(ts) for n, ts in by_n.items()} for name, by_n in samples.items()}
     same = ours(args.max_length) == theirs(args.max_length)
 
@@ -134,7 +136,7 @@ def main() -> None:
     tok_s = {k: new_tokens / t[args.max_length] for k, t in timings.items()}
     step_ms = {k: 1e3 * (t[args.max_length] - t[args.short_length]) / steps
                for k, t in timings.items()}
-    read_ms = 1e3 * weight_read_seconds(params)
+    read_ms = 1e3 * min(reads)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
     print(f"identical strings: {same}")
     print(f"weights: {nbytes / 2**20:.1f} MiB, one read {read_ms:.2f} ms "
