@@ -170,10 +170,15 @@ def feed_forward(cfg: GemmaConfig, x):
     Call it inside a compact method: the layers bind to the calling module.
     """
     dtype = jnp.dtype(cfg.dtype)
-    gate = layers.Einsum((cfg.hidden_dim, cfg.ffw_dim), dtype, name="ffw_gating")("BTH,HF->BTF", x)
-    up = layers.Einsum((cfg.hidden_dim, cfg.ffw_dim), dtype, name="ffw_gating_2")("BTH,HF->BTF", x)
-    hidden = jax.nn.gelu(gate, approximate=True) * up
-    return layers.Einsum((cfg.ffw_dim, cfg.hidden_dim), dtype, name="ffw_linear")("BTF,FH->BTH", hidden)
+    h, f = cfg.hidden_dim, cfg.ffw_dim
+    gating, gating_2 = (layers.Einsum((h, f), dtype, name=n) for n in ("ffw_gating", "ffw_gating_2"))
+    linear = layers.Einsum((f, h), dtype, name="ffw_linear")
+    if x.shape[1] == 1:  # decode steps (which may use the step layout)
+        hidden = jax.nn.gelu(gating("BTH,HF->BTF", x), approximate=True) * gating_2("BTH,HF->BTF", x)
+        return linear("BTF,FH->BTH", hidden)
+    b, t, _ = x.shape
+    out = layers.gated_ffn(x.reshape(b * t, h).astype(dtype), gating(None), gating_2(None), linear(None))
+    return out.reshape(b, t, h)
 
 
 class DecoderBlock(nn.Module):
