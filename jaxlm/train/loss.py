@@ -22,6 +22,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxlm.sampling import argmax
+
 Metrics = dict  # {"loss_sum", "correct", "count"}: float32 scalars, summed over tokens
 
 
@@ -77,7 +79,7 @@ def _chunk_logits(h_c, emb, cap):
 def _chunk_sums(logits, y_c, w_c):
     lse = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, y_c[..., None], axis=-1)[..., 0]
-    hit = (jnp.argmax(logits, axis=-1) == y_c).astype(jnp.float32) * w_c
+    hit = (argmax(logits) == y_c).astype(jnp.float32) * w_c
     return ((lse - target_logit) * w_c).sum(), hit.sum(), lse
 
 
@@ -109,12 +111,12 @@ def _fused_ce_fwd(h, emb, y, w, cap):
             d = d * (1.0 - th * th)
         d = d.astype(h_c.dtype)
         d_h = jnp.einsum("BCV,VH->BCH", d, emb)
-        d_emb = d_emb + jnp.einsum("BCV,BCH->VH", d, h_c, preferred_element_type=jnp.float32)
+        d_emb = d_emb + jnp.einsum("BCH,BCV->HV", h_c, d, preferred_element_type=jnp.float32)
         return (loss + ce, hits + hit, d_emb), d_h
     zero = jnp.zeros((), jnp.float32)
-    init = (zero, zero, jnp.zeros(emb.shape, jnp.float32))
+    init = (zero, zero, jnp.zeros(emb.shape[::-1], jnp.float32))
     (loss, hits, d_emb), d_h = jax.lax.scan(body, init, (h, y, w))
-    return (loss, hits), (d_h, d_emb.astype(emb.dtype))
+    return (loss, hits), (d_h, d_emb.T.astype(emb.dtype))
 
 
 def _fused_ce_bwd(cap, res, g):
