@@ -174,7 +174,10 @@ def grouped_attention(q, k, v, mask, soft_cap: float | None = None):
     if soft_cap is not None:
         logits = jnp.tanh(logits / soft_cap) * soft_cap
     m = mask[:, None, None, :, :]
-    probs = jax.nn.softmax(jnp.where(m, logits, -1e9), axis=-1)
-    probs = jnp.where(m, probs, 0.0).astype(q.dtype)
+    # With at least one visible key every masked one gets exp(-1e9 - max) = 0 exactly, so only
+    # queries that see no key need the wipe: applied to their output rows, which is cheaper
+    # than a select over every probability.
+    probs = jax.nn.softmax(jnp.where(m, logits, -1e9), axis=-1).astype(q.dtype)
     out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v.astype(q.dtype))
-    return out.reshape(b, t, n, d)
+    sees_a_key = jnp.any(mask, axis=-1)[:, :, None, None, None]  # [B, T, 1, 1, 1]
+    return jnp.where(sees_a_key, out, 0).reshape(b, t, n, d)
