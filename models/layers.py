@@ -61,7 +61,10 @@ class Einsum(nn.Module):
 
 
 def uses_step_layout(module: nn.Module) -> bool:
-    """Whether this apply builds (mutable) or reads the `step_layout` collection."""
+    """Whether this apply builds (mutable) or reads the `step_layout` collection. `init` makes
+    every collection mutable, so it never builds one (init may trace a single-token input)."""
+    if module.is_initializing():
+        return False
     return module.is_mutable_collection("step_layout") or "step_layout" in module.variables
 
 

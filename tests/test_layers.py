@@ -43,3 +43,10 @@ def test_step_layout_equals_the_einsum(eq, kernel, x):
         longer = jnp.concatenate([x, x], axis=1)
         np.testing.assert_allclose(layer.apply({**params, **built}, eq, longer),
                                    layer.apply(params, eq, longer), rtol=1e-6)
+
+
+def test_init_on_a_single_token_builds_no_step_layout():
+    """init makes every collection mutable; jaxlm.load initialises on [1, 1] ids."""
+    from models.gemma import PRESETS, Gemma
+    variables = Gemma(PRESETS["gemma_tiny"]).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    assert set(variables) == {"params"}
