@@ -20,6 +20,10 @@ bucketed to powers of two, max_length and the stop ids are traced (not static), 
 function per (model, sampler, buckets, mesh) is kept in `_compiled`'s cache. `TRACES` counts
 traces (= compilations) for tests.
 
+On a mesh (`mesh=`), which may span several processes: every process passes the same prompts,
+places the shards its devices hold, and gets the whole result back (the outputs are
+replicated).
+
 Streaming: `stream(position, tokens)` receives, after each step, the new token of every row
 (np.int32 [B], -1 for rows still inside their prompt or already stopped). It is a
 `jax.debug.callback` inside the loop: one device->host round trip per step, which on CPU costs
@@ -93,18 +97,26 @@ def generate_ids(model, params, token_ids, lengths, max_length: int, sampler="gr
     prompt[np.arange(plen)[None, :] >= rows[:, None]] = 0
     stops = np.full((_STOP_SLOTS,), -1, np.int32)
     stops[:len(stop)] = stop
-    args = (prompt, rows, np.int32(max_length), jax.random.key(seed), stops)
+    args = (prompt, rows, np.int32(max_length), np.int32(seed), stops)
     if mesh is not None:
+        if stream is not None and jax.process_count() > 1:
+            raise UserError("streaming generation runs in one process; drop stream= or "
+                            "generate on one host")
         data = NamedSharding(mesh, P("batch"))
         rep = NamedSharding(mesh, P())
-        args = (jax.device_put(prompt, data), jax.device_put(rows, data),
-                *(jax.device_put(a, rep) for a in args[2:]))
+        args = (_place(prompt, data), _place(rows, data), *(_place(a, rep) for a in args[2:]))
 
     fn = _compiled(model, sampler, bb, plen, total, stream is not None, mesh)
     with _streaming(stream, b):
         ids, mask = fn(params, *args)
         ids, mask = np.asarray(ids), np.asarray(mask)  # waits, so the callback is still set
     return ids[:b, :max_length], mask[:b, :max_length]
+
+
+def _place(x: np.ndarray, sharding):
+    """The same host array on every process -> a global array (each process supplies the
+    shards its devices hold), so a mesh may span several processes."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 class _StreamSlot:  # not thread-local: XLA runs the host callback on its own thread
@@ -148,10 +160,11 @@ def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming
         heads = "model" if cfg.num_kv_heads % mesh.shape["model"] == 0 else None
         kv_spec = NamedSharding(mesh, P("batch", None, heads, None))
 
-    def run(params, prompt, lengths, max_length, key, stops):
+    def run(params, prompt, lengths, max_length, seed, stops):
         """prompt [Bb, Pb], lengths [Bb] -> (ids [Bb, Tb], mask [Bb, Tb])."""
         global TRACES
         TRACES += 1
+        key = jax.random.key(seed)
         cache = init_cache(cfg, batch, total)
         if kv_spec is not None:
             cache = jax.lax.with_sharding_constraint(cache, kv_spec)
@@ -193,7 +206,8 @@ def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming
         mask = (positions[None, :] < end) & (positions[None, :] <= stop_at[:, None])
         return jnp.where(mask, ids, 0), mask
 
-    return jax.jit(run)
+    # On a mesh the results come back replicated, so every process can read them whole.
+    return jax.jit(run, out_shardings=None if mesh is None else NamedSharding(mesh, P()))
 
 
 def clear_cache() -> None:

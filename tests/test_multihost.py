@@ -1,7 +1,8 @@
 """Multi-host training on jax.distributed, with local processes (CPU devices, gloo) as hosts.
 
 2 processes x 4 devices must train exactly what 1 process x 8 devices trains (same mesh, same
-batches), for the LM (LoRA) and the MLM (TFRecord shards, each read by one host) trainers;
+batches), for the LM (LoRA) and the MLM (TFRecord shards, each read by one host) trainers, and
+generate the same before/after samples on a mesh spanning both;
 killing every process and relaunching resumes from the collective checkpoint; bad setups fail
 with one line instead of hanging.
 """
@@ -73,6 +74,22 @@ def test_lm_two_hosts_train_what_one_host_trains(lm_runs):
     assert "[p0] exported to" in log and "[p1] exported" not in log
     assert "[p0] [####################] step 6/6" in log and "[p1] [#" not in log
     assert "process 1/2 started" in log
+
+
+def test_two_hosts_generate_what_one_host_generates(tmp_path):
+    """Before/after samples and exact match run on a mesh that spans both processes."""
+    flags = ["--preset=gemma_tiny", "--mesh=2x4", "--lora_rank=0", "--steps=2", "--log_every=1",
+             "--num_samples=2", "--eval_examples=4", "--max_new_tokens=6"]
+    log = _run(LAUNCH + TRAIN + flags + [f"--out={tmp_path / 'two'}"])
+    one = _run(TRAIN + flags + [f"--out={tmp_path / 'one'}"])
+
+    def generated(text, prefix=""):
+        return [line[len(prefix):] for line in text.splitlines()
+                if line.startswith(prefix + "[before]") or line.startswith(prefix + "[after]")]
+    lines = generated(log, "[p0] ")
+    assert len(lines) == 6 and any("exact match on 4" in line for line in lines), log[-3000:]
+    assert lines == generated(one)
+    assert "[p1] [after]" not in log  # printed by process 0 only
 
 
 def test_kill_every_process_then_resume(lm_runs):

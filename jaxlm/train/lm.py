@@ -121,12 +121,6 @@ class Evaluator:
         if self.generate is None:
             print(f"[{when}] generation skipped: jaxlm.generate is not available")
             return {}
-        if jax.process_count() > 1 and (self.sample_prompts or self.eval_prompts):
-            # jaxlm.decode places prompts with device_put and reads ids back with np.asarray,
-            # both single-host only; evaluate the exported adapters on one host instead.
-            print(f"[{when}] samples and exact match skipped: generation runs on one host only "
-                  f"(evaluate {self.a.out}/adapters there)")
-            return {}
         result = {}
         if self.sample_prompts:
             outs = self._run(model, params, adapters, self.sample_prompts)
