@@ -265,11 +265,10 @@ def compile_decode(model, params, *, topology: str, mesh_spec="auto", batch_size
     rules = sharding.rules_for(model.config, layout)
     params = _abstract(params, sharding.partition_specs(params, rules, mesh), mesh)
     rows, rep = NamedSharding(mesh, P("batch")), NamedSharding(mesh, P())
-    key = jax.eval_shape(lambda: jax.random.key(0))
     args = (jax.ShapeDtypeStruct((batch_size, prompt_len), jnp.int32, sharding=rows),
             jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=rows),
             jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
-            jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),  # the sampling seed
             jax.ShapeDtypeStruct((decode._STOP_SLOTS,), jnp.int32, sharding=rep))
     fn = decode._compiled(model, sampling.resolve(sampler), batch_size, prompt_len, total_len,
                           False, mesh)
