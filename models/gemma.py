@@ -174,8 +174,7 @@ def feed_forward(cfg: GemmaConfig, x):
     gating, gating_2 = (layers.Einsum((h, f), dtype, name=n) for n in ("ffw_gating", "ffw_gating_2"))
     linear = layers.Einsum((f, h), dtype, name="ffw_linear")
     if x.shape[1] == 1:  # decode steps (which may use the step layout)
-        hidden = jax.nn.gelu(gating("BTH,HF->BTF", x), approximate=True) * gating_2("BTH,HF->BTF", x)
-        return linear("BTF,FH->BTH", hidden)
+        return linear("BTF,FH->BTH", layers.geglu(gating("BTH,HF->BTF", x), gating_2("BTH,HF->BTF", x)))
     b, t, _ = x.shape
     out = layers.gated_ffn(x.reshape(b * t, h).astype(dtype), gating(None), gating_2(None), linear(None))
     return out.reshape(b, t, h)

@@ -125,9 +125,14 @@ def gated_ffn(x, w_gate, w_up, w_down):
     return _gated_ffn_fwd(x, w_gate, w_up, w_down)[0]
 
 
+def geglu(gate, up):
+    """Gemma's gated activation, gelu_tanh(gate) * up (any shape)."""
+    return jax.nn.gelu(gate, approximate=True) * up
+
+
 def _gated_ffn_fwd(x, w_gate, w_up, w_down):
     gate, up = x @ w_gate, x @ w_up
-    return (jax.nn.gelu(gate, approximate=True) * up) @ w_down, (x, w_gate, w_up, w_down, gate, up)
+    return geglu(gate, up) @ w_down, (x, w_gate, w_up, w_down, gate, up)
 
 
 def _gated_ffn_bwd(residuals, d_out):
