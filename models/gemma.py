@@ -149,7 +149,9 @@ class Attention(nn.Module):
                                                         cache_index, axis=1)
             cache = {"k": key, "v": value}
 
-        out = layers.grouped_attention(q, key, value, mask, cfg.attention_logit_soft_cap)  # [B, T, N, D]
+        # Without a cache, query t sits at position t and sees keys <= t only.
+        out = layers.grouped_attention(q, key, value, mask, cfg.attention_logit_soft_cap,
+                                       causal=cache is None)  # [B, T, N, D]
         out_proj = layers.Einsum((n, d, h), dtype, name="attention_output")
         out = out_proj("BTND,NDH->BTH", out)
         return out, cache

@@ -1,5 +1,6 @@
 """Hand-written pieces of models/layers.py that replace what autodiff or a plain einsum would
-do, checked against those: the GeGLU FFN's written-out backward and Einsum's step layout."""
+do, checked against those: the GeGLU FFN's written-out backward, Einsum's step layout, and
+causal attention in query blocks."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,3 +51,34 @@ def test_init_on_a_single_token_builds_no_step_layout():
     from models.gemma import PRESETS, Gemma
     variables = Gemma(PRESETS["gemma_tiny"]).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
     assert set(variables) == {"params"}
+
+
+@pytest.mark.parametrize("kv_heads, soft_cap", [(1, None), (2, 0.5)])
+def test_causal_query_blocks_equal_full_attention(monkeypatch, kv_heads, soft_cap):
+    """T = 11 in blocks of 4 (the last one short), with right padding and one fully padded row
+    (its queries see no key and must come out zero): values and gradients match attention
+    over every key, and the full [T*G, S] logits are never built."""
+    monkeypatch.setattr(layers, "QUERY_BLOCK", 4)
+    b, t, n, d = 3, 11, 4, 8
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, t, n, d))
+    k, v = (jax.random.normal(key, (b, t, kv_heads, d)) for key in keys[1:3])
+    pos = jnp.arange(t)
+    lengths = jnp.array([t, 6, 0])
+    mask = (pos[:, None] >= pos[None, :])[None] & (pos < lengths[:, None])[:, None, :]
+    d_out = jax.random.normal(keys[3], (b, t, n, d))
+
+    def run(causal):
+        f = lambda q, k, v: layers.grouped_attention(q, k, v, mask, soft_cap, causal=causal)  # noqa: E731
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(d_out)
+
+    (blocked, grads), (full, reference) = run(True), run(False)
+    np.testing.assert_allclose(blocked, full, rtol=1e-5, atol=1e-6)
+    assert not np.any(blocked[2])  # the padded row
+    for a, r in zip(grads, reference):
+        np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-5)
+    jaxpr = str(jax.make_jaxpr(lambda q: layers.grouped_attention(q, k, v, mask, causal=True))(q))
+    g = n // kv_heads
+    assert f"f32[{b},{kv_heads},{t * g},{t}]" not in jaxpr
+    assert f"f32[{b},{kv_heads},{4 * g},4]" in jaxpr  # the first block sees 4 keys
