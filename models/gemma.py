@@ -149,9 +149,11 @@ class Attention(nn.Module):
                                                         cache_index, axis=1)
             cache = {"k": key, "v": value}
 
-        # Without a cache, query t sits at position t and sees keys <= t only.
+        # Without a cache, query t sits at position t and sees keys <= t only (and, in a
+        # sliding-window layer, keys > t - window only).
         out = layers.grouped_attention(q, key, value, mask, cfg.attention_logit_soft_cap,
-                                       causal=cache is None)  # [B, T, N, D]
+                                       causal=cache is None,
+                                       window=cfg.sliding_window_size if self.local else None)  # [B, T, N, D]
         out_proj = layers.Einsum((n, d, h), dtype, name="attention_output")
         out = out_proj("BTND,NDH->BTH", out)
         return out, cache

@@ -46,8 +46,9 @@ def gemma3(**kw):
 @pytest.mark.parametrize("make", [gemma2, gemma3, lambda: gemma3(query_head_dim_normalize=False,
                                                                   global_rope_scaling_factor=8.0)],
                          ids=["gemma2", "gemma3", "gemma3_scaled"])
-def test_logits_match_keras(make, tmp_path):
+def test_logits_match_keras(make, tmp_path, monkeypatch):
     import keras
+    from models import layers
     keras.utils.set_random_seed(0)
     backbone = make()
     random_norm_scales(backbone)
@@ -57,6 +58,10 @@ def test_logits_match_keras(make, tmp_path):
     model, params = jaxlm.load(path)
     out = np.asarray(model.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask)))
     assert np.abs(out - ref)[mask].max() <= 1e-4
+    # causal attention in query blocks of 4, each cut to its keys on both sides by the window
+    monkeypatch.setattr(layers, "QUERY_BLOCK", 4)
+    blocked = np.asarray(model.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask)))
+    assert np.abs(blocked - ref)[mask].max() <= 1e-4
     # the switches are live: without the window (or the caps) the logits differ
     no_window = type(model)(model.config.replace(sliding_window_size=None))
     far = np.asarray(no_window.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask)))

@@ -53,11 +53,12 @@ def test_init_on_a_single_token_builds_no_step_layout():
     assert set(variables) == {"params"}
 
 
-@pytest.mark.parametrize("kv_heads, soft_cap", [(1, None), (2, 0.5)])
-def test_causal_query_blocks_equal_full_attention(monkeypatch, kv_heads, soft_cap):
+@pytest.mark.parametrize("kv_heads, soft_cap, window", [(1, None, None), (2, 0.5, None), (1, None, 3)])
+def test_causal_query_blocks_equal_full_attention(monkeypatch, kv_heads, soft_cap, window):
     """T = 11 in blocks of 4 (the last one short), with right padding and one fully padded row
-    (its queries see no key and must come out zero): values and gradients match attention
-    over every key, and the full [T*G, S] logits are never built."""
+    (its queries see no key and must come out zero), and once as a sliding-window layer:
+    values and gradients match attention over every key, and the full [T*G, S] logits are
+    never built."""
     monkeypatch.setattr(layers, "QUERY_BLOCK", 4)
     b, t, n, d = 3, 11, 4, 8
     keys = jax.random.split(jax.random.key(0), 4)
@@ -66,10 +67,13 @@ def test_causal_query_blocks_equal_full_attention(monkeypatch, kv_heads, soft_ca
     pos = jnp.arange(t)
     lengths = jnp.array([t, 6, 0])
     mask = (pos[:, None] >= pos[None, :])[None] & (pos < lengths[:, None])[:, None, :]
+    if window:  # query t sees keys in (t - window, t]
+        mask &= (pos[:, None] - pos[None, :] < window)[None]
     d_out = jax.random.normal(keys[3], (b, t, n, d))
 
     def run(causal):
-        f = lambda q, k, v: layers.grouped_attention(q, k, v, mask, soft_cap, causal=causal)  # noqa: E731
+        f = lambda q, k, v: layers.grouped_attention(  # noqa: E731
+            q, k, v, mask, soft_cap, causal=causal, window=window if causal else None)
         out, vjp = jax.vjp(f, q, k, v)
         return out, vjp(d_out)
 
@@ -78,7 +82,10 @@ def test_causal_query_blocks_equal_full_attention(monkeypatch, kv_heads, soft_ca
     assert not np.any(blocked[2])  # the padded row
     for a, r in zip(grads, reference):
         np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-5)
-    jaxpr = str(jax.make_jaxpr(lambda q: layers.grouped_attention(q, k, v, mask, causal=True))(q))
+    jaxpr = str(jax.make_jaxpr(
+        lambda q: layers.grouped_attention(q, k, v, mask, causal=True, window=window))(q))
     g = n // kv_heads
     assert f"f32[{b},{kv_heads},{t * g},{t}]" not in jaxpr
     assert f"f32[{b},{kv_heads},{4 * g},4]" in jaxpr  # the first block sees 4 keys
+    last = 11 - 6 if window else 11  # the last block (rows 8-10) starts at key 8 - 3 + 1 = 6
+    assert f"f32[{b},{kv_heads},{3 * g},{last}]" in jaxpr
