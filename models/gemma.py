@@ -111,8 +111,9 @@ class Attention(nn.Module):
     local: bool = False  # a sliding-window layer (its mask is chosen by the caller)
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache=None, cache_index=None):
-        """x [B, T, H], positions [B, T], mask [B, T, S] -> ([B, T, H], new cache or None).
+    def __call__(self, x, rope, mask, cache=None, cache_index=None):
+        """x [B, T, H], rope = layers.rope_table(positions, ...) for this layer's kind,
+        mask [B, T, S] -> ([B, T, H], new cache or None).
 
         With a cache ({"k", "v": [B, S, K, D]}), the new keys/values are written at
         `cache_index` (scalar) and attention runs over all S cached slots.
@@ -134,12 +135,8 @@ class Attention(nn.Module):
         if cfg.use_query_key_norm:
             q = layers.RMSNorm(cfg.norm_eps, name="query_norm")(q)
             key = layers.RMSNorm(cfg.norm_eps, name="key_norm")(key)
-        if self.local:
-            base, scale = cfg.local_rope_base or cfg.rope_base, 1.0
-        else:
-            base, scale = cfg.rope_base, cfg.global_rope_scaling_factor
-        q = layers.rope(q, positions, base, scale)
-        key = layers.rope(key, positions, base, scale)
+        q = layers.rope(q, rope)
+        key = layers.rope(key, rope)
         q = q * jnp.asarray(1.0 / math.sqrt(cfg.query_pre_attn_scalar or d), q.dtype)
 
         if cache is not None:
@@ -189,10 +186,10 @@ class DecoderBlock(nn.Module):
     local: bool = False
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache=None, cache_index=None):
+    def __call__(self, x, rope, mask, cache=None, cache_index=None):
         cfg = self.config
         normed = layers.RMSNorm(cfg.norm_eps, name="pre_attention_norm")(x)
-        attn, cache = Attention(cfg, self.local, name="attention")(normed, positions, mask, cache, cache_index)
+        attn, cache = Attention(cfg, self.local, name="attention")(normed, rope, mask, cache, cache_index)
         if cfg.use_post_attention_norm:  # Gemma 2/3: normalise the sublayer output before the residual
             attn = layers.RMSNorm(cfg.norm_eps, name="post_attention_norm")(attn)
         x = x + attn
@@ -242,17 +239,24 @@ class Gemma(nn.Module):
         key_positions = jnp.arange(t if cache is None else cache_size(cache))
         # Causal AND key padding; padded queries are left unmasked (as KerasHub) and ignored by the loss.
         mask = (positions[:, :, None] >= key_positions[None, None, :]) & padding_mask[:, None, :]
+        # What each kind of layer attends with, {local?: (RoPE table, mask)}. The tables are
+        # built once here, outside the layer scan: built next to their use, XLA fused cos/sin
+        # into the rotation (and its backward) and evaluated them for every element of q and k.
+        # Positions are the same for every row, so a table is [1, T, 1, D/2].
+        rope = layers.rope_table(positions, cfg.head_dim, cfg.rope_base, cfg.global_rope_scaling_factor)
+        inputs = {False: (rope, mask), True: (rope, mask)}
         if cfg.sliding_window_size is not None:  # local layers see keys in (t - W, t]
             local_mask = mask & (positions[:, :, None] - key_positions[None, None, :] < cfg.sliding_window_size)
-        positions = jnp.broadcast_to(positions, (b, t))
+            inputs[True] = (layers.rope_table(positions, cfg.head_dim, cfg.local_rope_base or cfg.rope_base),
+                            local_mask)
 
         new_cache = {} if cache is not None else None
         if cache is None and not self.is_initializing():
-            x = self._scan_blocks(x, positions, mask, local_mask if cfg.sliding_window_size else mask)
+            x = self._scan_blocks(x, inputs)
         else:  # init names the parameters; decoding keeps one cache entry per layer
             for i, block in enumerate(self.blocks):
                 layer_cache = None if cache is None else cache[f"decoder_block_{i}"]
-                x, layer_cache = block(x, positions, local_mask if block.local else mask, layer_cache, cache_index)
+                x, layer_cache = block(x, *inputs[block.local], layer_cache, cache_index)
                 if cache is not None:
                     new_cache[f"decoder_block_{i}"] = layer_cache
         x = self.final_normalization(x)
@@ -260,7 +264,7 @@ class Gemma(nn.Module):
         return out if cache is None else (out, new_cache)
 
 
-    def _scan_blocks(self, x, positions, mask, local_mask):
+    def _scan_blocks(self, x, inputs):
         """The blocks as one `lax.scan` over layer periods, so compile time does not grow with depth.
 
         The parameter tree keeps KerasHub's `decoder_block_{i}` paths: the scan runs over a
@@ -278,7 +282,7 @@ class Gemma(nn.Module):
         def body(h, period_params):
             for j, block in enumerate(kinds):
                 h, _ = block.apply({"params": jax.tree.map(lambda p: p[j], period_params)},
-                                   h, positions, local_mask if block.local else mask)
+                                   h, *inputs[block.local])
             return h, None
 
         if cfg.remat:  # as nn.remat on each block: keep only each period's input
@@ -292,7 +296,7 @@ class Gemma(nn.Module):
                                    *layer_params[:n])
             x, _ = jax.lax.scan(body, x, stacked)
         for i in range(n, cfg.num_layers):
-            x, _ = self.blocks[i](x, positions, local_mask if self.blocks[i].local else mask, None, None)
+            x, _ = self.blocks[i](x, *inputs[self.blocks[i].local], None, None)
         return x
 
 

@@ -152,18 +152,23 @@ def _gated_ffn_bwd(residuals, d_out):
 gated_ffn.defvjp(_gated_ffn_fwd, _gated_ffn_bwd)
 
 
-def rope(x, positions, base: float, scaling_factor: float = 1.0):
-    """Half-split rotary embedding. x [B, T, N, D], positions [B, T] -> [B, T, N, D].
+def rope_table(positions, dim: int, base: float, scaling_factor: float = 1.0):
+    """RoPE's (cos, sin) for `positions` [B or 1, T]: each float32 [B or 1, T, 1, dim/2].
 
-    inv_freq[i] = base^(-2i/D) / scaling_factor (linear scaling, Gemma 3 global layers);
-    out = x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1].
-    Angles in float32; cos/sin cast to x.dtype before the multiply (as KerasHub).
+    inv_freq[i] = base^(-2i/dim) / scaling_factor (linear scaling, Gemma 3 global layers).
     """
-    d = x.shape[-1]
-    inv_freq = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)) / scaling_factor
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    cos = jnp.cos(ang)[:, :, None, :].astype(x.dtype)
-    sin = jnp.sin(ang)[:, :, None, :].astype(x.dtype)
+    inv_freq = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)) / scaling_factor
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B or 1, T, dim/2]
+    return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+
+
+def rope(x, table):
+    """Half-split rotary embedding. x [B, T, N, D], table = rope_table(...) -> [B, T, N, D].
+
+    out = x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1]; cos/sin are cast to x.dtype
+    before the multiply (as KerasHub).
+    """
+    cos, sin = (c.astype(x.dtype) for c in table)
     x1, x2 = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
