@@ -270,7 +270,7 @@ class Gemma(nn.Module):
         The parameter tree keeps KerasHub's `decoder_block_{i}` paths: the scan runs over a
         stacked view [L/P, P, ...] built here (a copy of the block weights per call, which XLA
         fuses into the step). P = sliding_window_pattern when local layers exist (the body
-        holds one period of local/global blocks with their static masks and RoPE bases), else 1;
+        holds one period of local/global blocks with their masks and RoPE tables), else 1;
         layers past the last whole period run unrolled. Same math as the per-layer loop.
         """
         cfg = self.config

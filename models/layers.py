@@ -198,7 +198,7 @@ def grouped_attention(q, k, v, mask, soft_cap: float | None = None, *, causal: b
     if not causal or t <= block:
         return _attention(q, k, v, mask, soft_cap)
     mask = jnp.broadcast_to(mask, (q.shape[0], t, k.shape[1]))
-    first = (lambda i: 0) if window is None else (lambda i: max(0, i - window + 1))
+    first = lambda i: 0 if window is None else max(0, i - window + 1)  # noqa: E731  a block's first key
     outs = [_attention(q[:, i:i + block], k[:, first(i):i + block], v[:, first(i):i + block],
                        mask[:, i:i + block, first(i):i + block], soft_cap)
             for i in range(0, t, block)]
