@@ -15,6 +15,11 @@ token only ever attends to its own positions < p) and the cache needs no per-row
 Rows stop independently (they then emit pad); the loop ends at max_length or when all rows
 have stopped.
 
+Random samplers draw with `seed`: one int keys the whole batch (as KerasHub: a row's draw then
+depends on its place in the batch, and repeated prompts give different samples), one int per
+row keys each row on its own (row r with seed s draws exactly what that prompt draws alone with
+seed=s). The key of step i is fold_in(key(seed), i) either way.
+
 No recompilation when only the prompts change: batch, prompt length and total length are
 bucketed to powers of two, max_length and the stop ids are traced (not static), and one jitted
 function per (model, sampler, buckets, mesh) is kept in `_compiled`'s cache. `TRACES` counts
@@ -32,7 +37,7 @@ tens of microseconds and on an accelerator stalls the device for the host's turn
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -59,9 +64,10 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 
 def generate_ids(model, params, token_ids, lengths, max_length: int, sampler="greedy",
-                 seed: int = 0, stop_token_ids=(), *, mesh: Mesh | None = None,
+                 seed: int | Sequence[int] = 0, stop_token_ids=(), *, mesh: Mesh | None = None,
                  stream: Stream | None = None):
     """Decode right-padded prompts [B, T] (BOS included) of `lengths` [B] up to `max_length`.
+    `seed`: an int, or one int per row (see the module docstring).
 
     -> (ids [B, max_length] int32, mask [B, max_length] bool), numpy. See the module docstring.
     """
@@ -97,20 +103,42 @@ def generate_ids(model, params, token_ids, lengths, max_length: int, sampler="gr
     prompt[np.arange(plen)[None, :] >= rows[:, None]] = 0
     stops = np.full((_STOP_SLOTS,), -1, np.int32)
     stops[:len(stop)] = stop
-    args = (prompt, rows, np.int32(max_length), np.int32(seed), stops)
+    seeds = _seeds(seed, b)
+    per_row = seeds.ndim == 1 and not isinstance(sampler, sampling.Greedy)
+    if per_row:  # filler rows repeat row 0
+        seeds = np.concatenate([seeds, np.full(bb - b, seeds[0], np.int32)])
+    elif seeds.ndim:  # greedy draws nothing
+        seeds = seeds[0]
+    args = (prompt, rows, np.int32(max_length), seeds, stops)
     if mesh is not None:
         if stream is not None and jax.process_count() > 1:
             raise UserError("streaming generation runs in one process; drop stream= or "
                             "generate on one host")
         data = NamedSharding(mesh, P("batch"))
         rep = NamedSharding(mesh, P())
-        args = (_place(prompt, data), _place(rows, data), *(_place(a, rep) for a in args[2:]))
+        args = (_place(prompt, data), _place(rows, data), _place(args[2], rep),
+                _place(seeds, data if per_row else rep), _place(stops, rep))
 
-    fn = _compiled(model, sampler, bb, plen, total, stream is not None, mesh)
+    fn = _compiled(model, sampler, bb, plen, total, stream is not None, mesh, per_row)
     with _streaming(stream, b):
         ids, mask = fn(params, *args)
         ids, mask = np.asarray(ids), np.asarray(mask)  # waits, so the callback is still set
     return ids[:b, :max_length], mask[:b, :max_length]
+
+
+def _seeds(seed, rows: int) -> np.ndarray:
+    """An int -> an int32 scalar; a list of `rows` ints (one per row) -> int32 [rows]."""
+    single = not isinstance(seed, (list, tuple, np.ndarray))
+    values = [seed] if single else list(np.asarray(seed, object).reshape(-1))
+    is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)  # noqa: E731
+    if not single and np.ndim(seed) != 1 or len(values) != (1 if single else rows) \
+            or not all(map(is_int, values)):
+        raise UserError(f"seed must be an int or a list of {rows} ints (one per prompt); "
+                        f"got {seed!r}")
+    if not all(-2**31 <= int(v) < 2**31 for v in values):
+        raise UserError(f"seeds must fit in int32, [-2**31, 2**31); got {seed!r}")
+    out = np.asarray([int(v) for v in values], np.int32)
+    return out[0] if single else out
 
 
 def _place(x: np.ndarray, sharding):
@@ -148,7 +176,7 @@ def _emit(position, tokens):
 
 @functools.lru_cache(maxsize=64)
 def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming: bool,
-              mesh: Mesh | None):
+              mesh: Mesh | None, per_row_seeds: bool = False):
     """One jitted prefill + decode loop for these static sizes (cached: see module docstring)."""
     from models.gemma import init_cache  # only Gemma decodes; imported here to keep the
     cfg = model.config                   # module importable for other families' tooling
@@ -160,11 +188,17 @@ def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming
         heads = "model" if cfg.num_kv_heads % mesh.shape["model"] == 0 else None
         kv_spec = NamedSharding(mesh, P("batch", None, heads, None))
 
+    def draw(logits, seed, index):
+        """logits [Bb, V] -> tokens [Bb] with step `index`'s key(s)."""
+        if not per_row_seeds:
+            return sampler(logits, jax.random.fold_in(jax.random.key(seed), index))
+        one = lambda row, s: sampler(row[None], jax.random.fold_in(jax.random.key(s), index))[0]  # noqa: E731
+        return jax.vmap(one)(logits, seed)
+
     def run(params, prompt, lengths, max_length, seed, stops):
-        """prompt [Bb, Pb], lengths [Bb] -> (ids [Bb, Tb], mask [Bb, Tb])."""
+        """prompt [Bb, Pb], lengths [Bb], seed [] or [Bb] -> (ids [Bb, Tb], mask [Bb, Tb])."""
         global TRACES
         TRACES += 1
-        key = jax.random.key(seed)
         cache = init_cache(cfg, batch, total)
         if kv_spec is not None:
             cache = jax.lax.with_sharding_constraint(cache, kv_spec)
@@ -189,7 +223,7 @@ def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming
             last = jax.lax.dynamic_slice_in_dim(ids, index - 1, 1, axis=1)  # [Bb, 1]
             logits, cache = model.apply(variables, last, cache=cache,
                                         cache_index=index - 1)
-            token = sampler(logits[:, 0], jax.random.fold_in(key, index))
+            token = draw(logits[:, 0], seed, index)
             in_prompt = index < lengths
             token = jnp.where(in_prompt, ids[:, index], jnp.where(done, 0, token))
             ids = jax.lax.dynamic_update_slice_in_dim(ids, token[:, None], index, axis=1)

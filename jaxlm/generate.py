@@ -9,6 +9,9 @@
 - The result is the prompt plus the completion (the completion alone with `strip_prompt=True`),
   detokenized from the ids with pad/BOS/EOS dropped, as KerasHub's `generate_postprocess`;
   a `str` prompt gives a `str`, a list gives a list.
+- `seed`: keys the random samplers. One int keys the whole batch (as KerasHub: repeated prompts
+  give different samples, and a row's draw depends on its place in the batch); a list with one
+  int per prompt keys each row on its own, so a prompt draws what it draws alone with that seed.
 - `adapters`: a LoRA adapter tree, merged into `params` once before decoding.
 - `mesh`: a ("batch", "model") mesh; parameters not already on it are placed by the family's
   layout rules, prompts split on `batch` and the KV cache sharded to match.
@@ -42,7 +45,7 @@ warnings.filterwarnings("ignore", message=r"'jaxlm\.generate' found in sys\.modu
 
 
 def generate(model, params, tokenizer, prompts, max_length: int = 64, sampler="greedy",
-             seed: int = 0, stop_token_ids="auto", strip_prompt: bool = False, *,
+             seed: int | list[int] = 0, stop_token_ids="auto", strip_prompt: bool = False, *,
              adapters=None, mesh=None, stream=None):
     """prompts: str | list[str] -> str | list[str] (see the module docstring)."""
     single = isinstance(prompts, str)

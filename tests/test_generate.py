@@ -113,6 +113,10 @@ def test_mesh_gives_the_unsharded_strings(gemma, shape):
     mesh = sharding.make_mesh(shape)
     got = generate(model, params, tok, PROMPTS, max_length=MAX_LENGTH, mesh=mesh)
     assert got == expected
+    if shape == "2x4":  # per-row seeds are split on `batch` with the rows
+        kwargs = dict(max_length=MAX_LENGTH, sampler="top_k", seed=[5, 6, 7, 8])
+        assert generate(model, params, tok, PROMPTS, mesh=mesh, **kwargs) == \
+            generate(model, params, tok, PROMPTS, **kwargs)
     placed = place(model, params, mesh)
     kernel = placed["decoder_block_0"]["ffw_gating"]["kernel"]
     assert len(kernel.sharding.device_set) == 8 and not kernel.sharding.is_fully_replicated
@@ -155,12 +159,34 @@ def test_samplers_are_seeded(gemma):
     assert a == b and a != c
 
 
+def test_per_row_seeds_draw_as_each_prompt_alone(gemma):
+    _, _, model, params, tok = gemma
+    seeds = [7, 3, 7, 11]
+    for sampler in ("top_k", "random"):
+        batch = generate(model, params, tok, PROMPTS, max_length=MAX_LENGTH, sampler=sampler,
+                         seed=seeds, stop_token_ids=None)
+        alone = [generate(model, params, tok, p, max_length=MAX_LENGTH, sampler=sampler, seed=s,
+                          stop_token_ids=None) for p, s in zip(PROMPTS, seeds)]
+        assert batch == alone
+    # One int keys the batch as a whole (KerasHub's behaviour): rows are not drawn as alone.
+    shared = generate(model, params, tok, PROMPTS, max_length=MAX_LENGTH, sampler="random",
+                      seed=7, stop_token_ids=None)
+    alone = [generate(model, params, tok, p, max_length=MAX_LENGTH, sampler="random", seed=7,
+                      stop_token_ids=None) for p in PROMPTS]
+    assert shared != alone
+    greedy = generate(model, params, tok, PROMPTS, max_length=MAX_LENGTH)
+    assert generate(model, params, tok, PROMPTS, max_length=MAX_LENGTH, seed=seeds) == greedy
+
+
 def test_bad_input_is_one_clear_line(gemma):
     _, _, model, params, tok = gemma
     cases = [(dict(prompts=["word " * 40]), "max_length"),
              (dict(prompts=[]), "no prompts"),
              (dict(prompts=["hi"], sampler="beam"), "unknown sampler"),
-             (dict(prompts=["hi"], stop_token_ids="eos"), "stop_token_ids")]
+             (dict(prompts=["hi"], stop_token_ids="eos"), "stop_token_ids"),
+             (dict(prompts=["hi", "yo"], sampler="top_k", seed=[1]), "one per prompt"),
+             (dict(prompts=["hi"], sampler="top_k", seed=1.5), "one per prompt"),
+             (dict(prompts=["hi"], sampler="top_k", seed=2**40), "int32")]
     for kwargs, words in cases:
         with pytest.raises(UserError) as e:
             generate(model, params, tok, max_length=MAX_LENGTH, **kwargs)
