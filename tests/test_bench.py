@@ -1,0 +1,71 @@
+"""Every bench script runs end to end on a tiny config and ends with its BENCH lines.
+
+The README's numbers come from these scripts, so a refactor must not break them silently (the
+accelerator one in particular only runs for real when a GPU/TPU is lent). Speed is not asserted
+here; the measured tables and their commands are in bench/README.md.
+"""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_bench(script, *args):
+    """-> (stdout, {bench name: {field: value}}) of `python bench/<script> <args>`."""
+    r = subprocess.run([sys.executable, os.path.join("bench", script), *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    lines = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("BENCH "):
+            name, *fields = line.split()[1:]
+            lines[name] = dict(field.split("=", 1) for field in fields)
+    return r.stdout, lines
+
+
+def positive(value: str) -> float:
+    x = float(value)
+    assert math.isfinite(x) and x > 0, value
+    return x
+
+
+def test_train_step_bench_compares_both_modes_with_kerashub():
+    _, lines = run_bench("train_step.py", "--layers=1", "--vocab=512", "--batch=2", "--seq=32",
+                         "--steps=1", "--warmup=1")
+    for mode in ("lora", "full"):
+        fields = lines[f"train_{mode}"]
+        assert positive(fields["ratio"]) == pytest.approx(
+            positive(fields["jaxlm"]) / positive(fields["keras"]), rel=0.01)
+    assert {"jaxlm", "lora", "keras_full", "peak_gflops"} <= set(lines["train_mfu_cpu"])
+
+
+def test_generate_bench_gives_kerashub_strings():
+    out, lines = run_bench("generate.py", "--layers=1", "--vocab=4096", "--max_length=48",
+                           "--short_length=24", "--repeats=1")
+    assert "identical strings: True" in out
+    positive(lines["generate_b4"]["ratio"])
+    fields = lines["decode_step_vs_weight_read"]
+    positive(fields["weight_read_ms"]), positive(fields["jaxlm_x_read"])
+
+
+def test_memory_bench_compiles_a_tiny_config_for_tpu():
+    _, lines = run_bench("memory.py", "--presets=gemma_tiny", "--topology=v5e:2x4", "--remat=on",
+                         "--sequence_length=64")
+    fields = lines["memory_gemma_tiny_lora_remat"]
+    assert fields["fits"] == "1" and positive(fields["total_gib"]) < 1
+
+
+def test_compile_time_bench_reports_a_ratio():
+    _, lines = run_bench("compile_time.py", "--layers=1,2")
+    positive(lines["compile_2_vs_1"]["ratio"])
+
+
+def test_accelerator_bench_smoke_runs_on_cpu():
+    _, lines = run_bench("accelerator.py", "--smoke")
+    for name in ("accel_train_full", "accel_train_lora", "accel_decode_b1", "accel_decode_b32"):
+        positive(lines[name]["tokens_per_s"])
+    positive(lines["accel_train_full"]["mfu"])
