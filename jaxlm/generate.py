@@ -23,7 +23,7 @@ The token-level API underneath is `jaxlm.decode.generate_ids`.
 Command line::
 
     python -m jaxlm.generate --model=PATH --prompt="..." [--prompt=...] [--prompts_file=F]
-        [--max_length=64] [--sampler=greedy|random|temperature|top_k|top_p] [--seed=0]
+        [--max_length=64] [--sampler=greedy|random|temperature|top_k|top_p] [--seed=0 | --seed=S1,S2,...]
         [--strip_prompt]
 """
 from __future__ import annotations
@@ -116,6 +116,16 @@ def place(model, params, mesh):
     return unflatten(out)
 
 
+def _seed_arg(text: str):
+    """--seed=7 -> 7; --seed=7,3,11 -> [7, 3, 11] (one per prompt)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise UserError(f"--seed must be an int or comma-separated ints (one per prompt); "
+                        f"got {text!r}") from None
+    return values if "," in text else values[0]
+
+
 def _read_prompts(args) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -141,7 +151,8 @@ def main(argv=None) -> None:
                         help="total length, BOS and prompt included (KerasHub semantics)")
     parser.add_argument("--sampler", default="greedy",
                         help="greedy | random | temperature | top_k | top_p")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", default="0",
+                        help="an int for the batch, or one per prompt (comma-separated)")
     parser.add_argument("--strip_prompt", action="store_true", help="print the completion only")
     parser.add_argument("--no_stop", action="store_true", help="do not stop at EOS")
     args = parser.parse_args(argv)
@@ -150,9 +161,10 @@ def main(argv=None) -> None:
     from jaxlm import sampling
     prompts = _read_prompts(args)
     sampler = sampling.resolve(args.sampler)  # fail before loading a big model
+    seed = _seed_arg(args.seed)
     model, params = jaxlm.load(args.model)
     tokenizer = jaxlm.load_tokenizer(args.model)
-    texts = generate(model, params, tokenizer, prompts, args.max_length, sampler, args.seed,
+    texts = generate(model, params, tokenizer, prompts, args.max_length, sampler, seed,
                      None if args.no_stop else "auto", args.strip_prompt)
     for text in texts:
         print(text)

@@ -202,7 +202,15 @@ def test_cli_prints_completions_and_fails_in_one_line(gemma, tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out == generate(model, params, tok, ["The quick brown fox", "import os", "def"],
                            max_length=MAX_LENGTH)
+    main([f"--model={path}", "--prompt=import os", "--prompt=def", f"--max_length={MAX_LENGTH}",
+          "--sampler=top_k", "--seed=4,9"])
+    assert capsys.readouterr().out.splitlines() == [
+        generate(model, params, tok, p, max_length=MAX_LENGTH, sampler="top_k", seed=s)
+        for p, s in (("import os", 4), ("def", 9))]
     for argv, words in [([f"--model={path}", "--prompt=" + "word " * 40], "max_length"),
+                        ([f"--model={path}", "--prompt=hi", "--sampler=top_k", "--seed=1,2"],
+                         "one per prompt"),
+                        ([f"--model={path}", "--prompt=hi", "--seed=x"], "--seed"),
                         ([f"--model={path}"], "no prompts"),
                         ([f"--model={path}", "--prompt=hi", "--sampler=beam"], "unknown sampler"),
                         ([f"--model={tmp_path}/nope", "--prompt=hi"], "does not exist")]:
