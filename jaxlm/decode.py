@@ -21,9 +21,9 @@ row keys each row on its own (row r with seed s draws exactly what that prompt d
 seed=s). The key of step i is fold_in(key(seed), i) either way.
 
 No recompilation when only the prompts change: batch, prompt length and total length are
-bucketed to powers of two, max_length and the stop ids are traced (not static), and one jitted
-function per (model, sampler, buckets, mesh) is kept in `_compiled`'s cache. `TRACES` counts
-traces (= compilations) for tests.
+bucketed to powers of two, max_length, the seeds and the stop ids are traced (not static), and
+one jitted function per (model, sampler, buckets, mesh, per-row seeds or not) is kept in
+`_compiled`'s cache. `TRACES` counts traces (= compilations) for tests.
 
 On a mesh (`mesh=`), which may span several processes: every process passes the same prompts,
 places the shards its devices hold, and gets the whole result back (the outputs are
@@ -131,8 +131,8 @@ def _seeds(seed, rows: int) -> np.ndarray:
     single = not isinstance(seed, (list, tuple, np.ndarray))
     values = [seed] if single else list(np.asarray(seed, object).reshape(-1))
     is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)  # noqa: E731
-    if not single and np.ndim(seed) != 1 or len(values) != (1 if single else rows) \
-            or not all(map(is_int, values)):
+    shape_ok = single or (np.ndim(seed) == 1 and len(values) == rows)
+    if not shape_ok or not all(map(is_int, values)):
         raise UserError(f"seed must be an int or a list of {rows} ints (one per prompt); "
                         f"got {seed!r}")
     if not all(-2**31 <= int(v) < 2**31 for v in values):
