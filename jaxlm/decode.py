@@ -188,17 +188,18 @@ def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming
         heads = "model" if cfg.num_kv_heads % mesh.shape["model"] == 0 else None
         kv_spec = NamedSharding(mesh, P("batch", None, heads, None))
 
-    def draw(logits, seed, index):
-        """logits [Bb, V] -> tokens [Bb] with step `index`'s key(s)."""
+    def draw(logits, key, index):
+        """logits [Bb, V], key [] or [Bb] (per row) -> tokens [Bb] with step `index`'s key(s)."""
         if not per_row_seeds:
-            return sampler(logits, jax.random.fold_in(jax.random.key(seed), index))
-        one = lambda row, s: sampler(row[None], jax.random.fold_in(jax.random.key(s), index))[0]  # noqa: E731
-        return jax.vmap(one)(logits, seed)
+            return sampler(logits, jax.random.fold_in(key, index))
+        one = lambda row, k: sampler(row[None], jax.random.fold_in(k, index))[0]  # noqa: E731
+        return jax.vmap(one)(logits, key)
 
     def run(params, prompt, lengths, max_length, seed, stops):
         """prompt [Bb, Pb], lengths [Bb], seed [] or [Bb] -> (ids [Bb, Tb], mask [Bb, Tb])."""
         global TRACES
         TRACES += 1
+        key = jax.vmap(jax.random.key)(seed) if per_row_seeds else jax.random.key(seed)
         cache = init_cache(cfg, batch, total)
         if kv_spec is not None:
             cache = jax.lax.with_sharding_constraint(cache, kv_spec)
@@ -223,7 +224,7 @@ def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming
             last = jax.lax.dynamic_slice_in_dim(ids, index - 1, 1, axis=1)  # [Bb, 1]
             logits, cache = model.apply(variables, last, cache=cache,
                                         cache_index=index - 1)
-            token = draw(logits[:, 0], seed, index)
+            token = draw(logits[:, 0], key, index)
             in_prompt = index < lengths
             token = jnp.where(in_prompt, ids[:, index], jnp.where(done, 0, token))
             ids = jax.lax.dynamic_update_slice_in_dim(ids, token[:, None], index, axis=1)
