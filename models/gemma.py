@@ -66,6 +66,9 @@ class GemmaConfig:
     global_rope_scaling_factor: float = 1.0  # linear RoPE scaling of global layers (Gemma 3 4B+)
     use_query_key_norm: bool = False
     query_pre_attn_scalar: float | None = None  # queries scaled by its -1/2 power (None: head_dim)
+    # Training attention (no cache): "xla" (any platform) or "cudnn" (fused flash attention on
+    # NVIDIA GPUs; bfloat16/float16, no attention soft-cap, rows padded on the right only).
+    attention: str = "xla"
 
     family = "gemma"
 
@@ -73,6 +76,12 @@ class GemmaConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.attention not in ("xla", "cudnn"):
+            raise ValueError(f"attention={self.attention!r}: use 'xla' or 'cudnn'")
+        if self.attention == "cudnn" and (self.dtype not in ("bfloat16", "float16")
+                                          or self.attention_logit_soft_cap is not None):
+            raise ValueError(f"attention='cudnn' needs bfloat16 or float16 and no attention soft-cap "
+                             f"(got {self.dtype}, soft-cap {self.attention_logit_soft_cap}); use 'xla'")
 
     def replace(self, **changes) -> "GemmaConfig":
         return dataclasses.replace(self, **changes)
@@ -148,9 +157,12 @@ class Attention(nn.Module):
 
         # Without a cache, query t sits at position t and sees keys <= t only (and, in a
         # sliding-window layer, keys > t - window only).
-        out = layers.grouped_attention(q, key, value, mask, cfg.attention_logit_soft_cap,
-                                       causal=cache is None,
-                                       window=cfg.sliding_window_size if self.local else None)  # [B, T, N, D]
+        window = cfg.sliding_window_size if self.local else None
+        if cache is None and cfg.attention == "cudnn":  # the mask is causal by construction
+            out = layers.fused_causal_attention(q, key, value, window)
+        else:
+            out = layers.grouped_attention(q, key, value, mask, cfg.attention_logit_soft_cap,
+                                           causal=cache is None, window=window)  # [B, T, N, D]
         out_proj = layers.Einsum((n, d, h), dtype, name="attention_output")
         out = out_proj("BTND,NDH->BTH", out)
         return out, cache

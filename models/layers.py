@@ -205,6 +205,21 @@ def grouped_attention(q, k, v, mask, soft_cap: float | None = None, *, causal: b
     return jnp.concatenate(outs, axis=1)
 
 
+def fused_causal_attention(q, k, v, window: int | None = None):
+    """cuDNN flash attention for training on NVIDIA GPUs (`GemmaConfig.attention="cudnn"`).
+
+    q [B, T, N, D] (already scaled, bfloat16 or float16), k/v [B, T, K, D] -> [B, T, N, D].
+    Query t sees keys s <= t (and s > t - window). Padding is not masked: with right padding
+    (what `jaxlm.data` and KerasHub's preprocessor produce) a real query never reaches a padded
+    key, and the padded queries' outputs are dropped by the loss, so loss and gradients equal
+    `grouped_attention`'s. A row padded on the left or with holes would differ: use "xla".
+    The [T, S] logits never reach memory (memory linear in T), and the masked triangle is skipped.
+    """
+    return jax.nn.dot_product_attention(
+        q, k.astype(q.dtype), v.astype(q.dtype), scale=1.0, is_causal=True,
+        local_window_size=None if window is None else (window - 1, 0), implementation="cudnn")
+
+
 def _attention(q, k, v, mask, soft_cap):
     """grouped_attention over all S keys.
 

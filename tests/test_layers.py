@@ -89,3 +89,45 @@ def test_causal_query_blocks_equal_full_attention(monkeypatch, kv_heads, soft_ca
     assert f"f32[{b},{kv_heads},{4 * g},4]" in jaxpr  # the first block sees 4 keys
     last = 11 - 6 if window else 11  # the last block (rows 8-10) starts at key 8 - 3 + 1 = 6
     assert f"f32[{b},{kv_heads},{3 * g},{last}]" in jaxpr
+
+
+def test_cudnn_attention_config_is_checked():
+    from models.gemma import PRESETS
+    tiny = PRESETS["gemma_tiny"]
+    assert tiny.replace(dtype="bfloat16", attention="cudnn").attention == "cudnn"
+    for bad in ({"attention": "flash"}, {"attention": "cudnn"},  # float32
+                {"attention": "cudnn", "dtype": "bfloat16", "attention_logit_soft_cap": 50.0}):
+        with pytest.raises(ValueError, match="attention="):
+            tiny.replace(**bad)
+
+
+def test_cudnn_attention_is_wired_into_training_only(monkeypatch):
+    """On CPU, stand in for the cuDNN kernel with blocked causal attention: a Gemma with local
+    layers gives the same training logits either way (so the window reaches the kernel), and
+    decoding with a cache never calls it."""
+    from models.gemma import PRESETS, Gemma, init_cache
+    calls = []
+
+    def stand_in(q, k, v, window=None):
+        calls.append(window)
+        pos = jnp.arange(q.shape[1])
+        mask = pos[:, None] >= pos[None, :]
+        if window:
+            mask &= pos[:, None] - pos[None, :] < window
+        return layers.grouped_attention(q, k, v, mask[None], causal=True, window=window)
+
+    monkeypatch.setattr(layers, "fused_causal_attention", stand_in)
+    cfg = PRESETS["gemma_tiny"].replace(dtype="bfloat16", num_layers=2, sliding_window_size=5)
+    ids = jax.random.randint(jax.random.key(0), (2, 12), 3, cfg.vocab_size)
+    mask = jnp.arange(12)[None] < jnp.array([[12], [7]])  # right padding
+    params = Gemma(cfg).init(jax.random.key(1), ids)["params"]
+    fused = Gemma(cfg.replace(attention="cudnn"))
+    out = fused.apply({"params": params}, ids, mask)
+    ref = Gemma(cfg).apply({"params": params}, ids, mask)
+    assert sorted(calls, key=str) == [5, None]
+    real = np.asarray(mask)
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[real], np.asarray(ref, np.float32)[real])
+    calls.clear()
+    cache = init_cache(cfg, 2, 16)
+    fused.apply({"params": params}, ids, jnp.arange(16)[None] < 12, cache=cache, cache_index=0)
+    assert calls == []

@@ -45,6 +45,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         "--no_such_flag": "unrecognized arguments",
         "--lora_targets=.*nothing/kernel": "matches no parameter",
         "--layout=diagonal": "diagonal",
+        "--attention=cudnn": "needs an NVIDIA GPU",
+        "--attention=cudnn --compile_only=v5e:2x4": "drop the flag",
     }
     procs = {}
     for case in cases:

@@ -39,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
            "toy). Default: the pretrained Gemma 3 270M of the demo extra, else gemma_tiny")
     a("--dtype", default=None, help="parameter/compute dtype (default float32 on CPU, bfloat16 else)")
     a("--remat", action="store_true", help="recompute block activations in the backward pass")
+    a("--attention", default="xla", choices=["xla", "cudnn"],
+      help="training attention: xla (any platform) or cudnn (fused flash attention; NVIDIA GPU, "
+           "bfloat16, right-padded rows)")
     a("--lora_rank", type=int, default=4, help="LoRA rank; 0 = full fine-tuning")
     a("--lora_alpha", type=float, default=None, help="LoRA alpha (default: rank, scale 1)")
     a("--lora_targets", default=None, help="comma-separated regexes over parameter paths")
@@ -118,6 +121,7 @@ class Args:
     eval_examples: int
     max_new_tokens: int | None
     compile_only: str | None = None
+    attention: str = "xla"
 
 
 def parse(argv: list[str]) -> Args:
@@ -161,6 +165,9 @@ def _check(a: Args) -> None:
                     ("--clip_norm", a.clip_norm)):
         if v < 0:
             raise UserError(f"{flag}={v} must be >= 0")
+    if a.attention != "xla" and (a.task != "lm" or a.compile_only):
+        raise UserError(f"--attention={a.attention} is for Gemma training on a GPU (--task=lm, "
+                        "no --compile_only); drop the flag")
     if a.learning_rate is not None and a.learning_rate <= 0:
         raise UserError(f"--learning_rate={a.learning_rate} must be > 0")
 

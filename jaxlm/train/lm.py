@@ -148,6 +148,9 @@ def run(a: cli.Args) -> int:
     toy = kind == "preset"
     a = resolve_defaults(a, toy, demo)
     mesh = build_mesh(a.mesh)
+    if a.attention != "xla" and jax.default_backend() != "gpu":
+        raise UserError(f"--attention={a.attention} needs an NVIDIA GPU (this is "
+                        f"{jax.default_backend()}); drop the flag")
     if a.batch_size % mesh.shape["batch"]:
         raise UserError(f"--batch_size={a.batch_size} is not divisible by the mesh's batch axis "
                         f"({mesh.shape['batch']}); use a multiple of it")
@@ -173,6 +176,11 @@ def run(a: cli.Args) -> int:
     base_model = model
     if a.remat:
         model = type(model)(model.config.replace(remat=True))
+    if a.attention != "xla":
+        try:
+            model = type(model)(model.config.replace(attention=a.attention))
+        except ValueError as e:  # float32, or Gemma 2's attention soft-cap
+            raise UserError(f"--attention: {e}") from None
     param_specs = sharding.partition_specs(params, rules, mesh)
 
     if a.lora_rank:
