@@ -30,7 +30,7 @@ import sharding
 from jaxlm import lora
 from jaxlm.errors import UserError
 from jaxlm.train import optim
-from jaxlm.train.loss import lm_loss_fn
+from jaxlm.train.loss import CHUNK_LOGITS, lm_loss_fn
 from jaxlm.train.step import make_train_step, micro_batch_sharding
 
 GiB = 1024 ** 3
@@ -211,7 +211,7 @@ def compile_train_step(model, params, *, topology: str, mesh_spec="auto", lora_r
         model, params, mesh, lora_rank=lora_rank, layout=layout, batch_size=batch_size,
         sequence_length=sequence_length, accum_steps=accum_steps, lora_alpha=lora_alpha,
         lora_targets=lora_targets)
-    step = make_train_step(lm_loss_fn(model), optimizer, **kwargs)
+    step = make_train_step(lm_loss_fn(model, chunk_logits=CHUNK_LOGITS["tpu"]), optimizer, **kwargs)
     t0 = time.perf_counter()
     lowered = step.lower(state, frozen, batch)
     weights = _bytes_per_device(frozen if lora_rank else state["trainable"])

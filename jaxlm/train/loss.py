@@ -32,30 +32,36 @@ def shift(token_ids, padding_mask):
     return token_ids[:, :-1], padding_mask[:, :-1], token_ids[:, 1:], padding_mask[:, 1:]
 
 
-# Logits per [B, C, V] block: 32 MiB in float32. Each chunk adds its [H, V] embedding gradient
-# into the accumulator, so fewer, larger chunks save that traffic and give the d_hidden product
-# a taller left operand: at 2**22 (16 positions of 8 x 32000) the loss took 7% longer
-# (fwd + bwd, bench config) and the full fine-tune step 5.6%.
-CHUNK_LOGITS = 2 ** 23
+# Logits per [B, C, V] block, by platform. Each chunk re-reads the [V, H] table and adds its
+# gradient into the float32 [H, V] accumulator, so the chunk count is paid in memory traffic.
+# CPU: 32 MiB blocks (at 2**22, 16 positions of 8 x 32000, the bench-config loss took 7% longer
+# and the full fine-tune step 5.6%). Accelerators: 512 MiB blocks, which HBM holds easily; with
+# the CPU budget Gemma 2B at 2 x 2048 tokens ran 128 chunks, ~0.8 TB of traffic per step.
+CHUNK_LOGITS = {"cpu": 2 ** 23, "gpu": 2 ** 27, "tpu": 2 ** 27}
 
 
-def chunk_length(batch: int, length: int, vocab: int, budget: int = CHUNK_LOGITS) -> int:
-    """Positions per chunk so that batch * C * vocab <= budget (at least 1, at most `length`)."""
-    return max(1, min(length, budget // max(1, batch * vocab)))
+def chunk_length(batch: int, length: int, vocab: int, budget: int | None = None) -> int:
+    """Positions per chunk so that batch * C * vocab <= budget (default: this platform's
+    CHUNK_LOGITS), at least 1 and at most `length`; the chunks split `length` as evenly as
+    that allows (2048 in 8 chunks of 256, not 7 of 262 and one padded)."""
+    budget = budget or CHUNK_LOGITS.get(jax.default_backend(), CHUNK_LOGITS["gpu"])
+    most = max(1, min(length, budget // max(1, batch * vocab)))
+    return -(-length // -(-length // most))
 
 
 def chunked_cross_entropy(hidden, embeddings, targets, weights, *, chunk_size: int | None = None,
-                          logit_soft_cap: float | None = None) -> Metrics:
+                          logit_soft_cap: float | None = None,
+                          chunk_logits: int | None = None) -> Metrics:
     """Sum of weighted CE (and argmax hits) of `hidden @ embeddings.T` against `targets`.
 
     hidden [B, T, H] (compute dtype), embeddings [V, H], targets int [B, T], weights [B, T].
     The projection runs in the compute dtype (as KerasHub's `ReversibleEmbedding`); logsumexp and
     the target logit are taken in float32, per chunk of `chunk_size` positions (default: as many
-    as keep a chunk's logits within CHUNK_LOGITS).
+    as keep a chunk's logits within `chunk_logits`, by default this platform's CHUNK_LOGITS).
     logit_soft_cap: Gemma 2's final cap, tanh(logits / cap) * cap, applied per chunk.
     """
     b, t, h = hidden.shape
-    c = max(1, min(chunk_size or chunk_length(b, t, embeddings.shape[0]), t))
+    c = max(1, min(chunk_size or chunk_length(b, t, embeddings.shape[0], chunk_logits), t))
     pad = (-t) % c
     weights = weights.astype(jnp.float32)
     if pad:  # padded positions carry weight 0
@@ -142,13 +148,15 @@ def naive_cross_entropy(logits, targets, weights) -> Metrics:
     return {"loss_sum": (ce * weights).sum(), "correct": (hit * weights).sum(), "count": weights.sum()}
 
 
-def lm_loss_fn(model, *, chunk_size: int | None = None):
+def lm_loss_fn(model, *, chunk_size: int | None = None, chunk_logits: int | None = None):
     """-> loss_fn(params, batch, rng) -> (loss_sum, metrics) for `jaxlm.train.step`.
 
     batch: {"token_ids": int32 [B, T+1], "padding_mask": bool [B, T+1]} packed as KerasHub does
     (BOS + text + EOS, right-padded). The model is applied with `return_hidden=True`; the tied
     embedding `params["token_embedding"]["embeddings"]` projects onto the vocabulary, then the
     config's `final_logit_soft_cap` (Gemma 2) applies, as in the model's own logits.
+    chunk_size / chunk_logits: see `chunked_cross_entropy` (a step compiled for another
+    platform than this host's passes that platform's CHUNK_LOGITS).
     """
     cap = getattr(model.config, "final_logit_soft_cap", None)
 
@@ -157,6 +165,7 @@ def lm_loss_fn(model, *, chunk_size: int | None = None):
         inputs, input_mask, targets, weights = shift(batch["token_ids"], batch["padding_mask"])
         hidden = model.apply({"params": params}, inputs, input_mask, return_hidden=True)
         m = chunked_cross_entropy(hidden, params["token_embedding"]["embeddings"], targets, weights,
-                                  chunk_size=chunk_size, logit_soft_cap=cap)
+                                  chunk_size=chunk_size, logit_soft_cap=cap,
+                                  chunk_logits=chunk_logits)
         return m["loss_sum"], m
     return loss_fn
