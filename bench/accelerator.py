@@ -1,12 +1,14 @@
 """Gemma 2B on one GPU or TPU host: train-step MFU and greedy decode vs the bandwidth limit.
 
     python bench/accelerator.py [--mesh=auto] [--batch_size=N] [--remat] [--steps=5]
+                                [--attention=xla,cudnn]
     python bench/accelerator.py --smoke        # tiny config, runs anywhere (CPU) in a minute
 
 Random weights (no download), bfloat16, sequence 2048:
   1. full fine-tuning and LoRA (rank 4) steps of `jaxlm.train.step.make_train_step`, sharded
      by the layout rules on the host's devices: tokens/s and MFU = model FLOPs (see
-     `bench.common.model_flops_per_token`) / (devices x the chip's bf16 peak);
+     `bench.common.model_flops_per_token`) / (devices x the chip's bf16 peak); once per
+     `--attention` kind (`GemmaConfig.attention`: "cudnn" is the fused kernel, NVIDIA only);
   2. greedy decoding (`jaxlm.decode.generate_ids`) on one device at batch 1 and 32: new
      tokens/s, and the fraction of the memory-bandwidth limit, i.e. of
      batch / (bytes read per step / HBM bytes/s) with bytes = all weights + the live KV cache.
@@ -18,6 +20,7 @@ CPU, --smoke uses the measured float32 matmul peak instead). Budget: under 8 min
 Ends with
     BENCH accel_train_full tokens_per_s=<x> mfu=<x> device=<kind> devices=<n>
     BENCH accel_train_lora tokens_per_s=<x> mfu=<x> ...
+    BENCH accel_train_full_cudnn ..., accel_train_lora_cudnn ...   (with --attention=...,cudnn)
     BENCH accel_decode_b1 tokens_per_s=<x> bw_fraction=<x> ...
     BENCH accel_decode_b32 tokens_per_s=<x> bw_fraction=<x> ...
 """
@@ -45,14 +48,14 @@ from jaxlm.train.step import (init_state, make_train_step, micro_batch_sharding,
                               shardings_of)
 
 
-def train_throughput(preset, dtype, mesh, *, lora_rank, batch_size, seq, steps, remat, seed=0):
+def train_throughput(preset, dtype, mesh, *, lora_rank, batch_size, seq, steps, remat,
+                     attention="xla", profile_dir=None, seed=0):
     """-> (tokens/s, seconds per step, model config) of a warmed-up, synced train step."""
     model, _ = jaxlm.load(preset, dtype, abstract=True)
     rules = sharding.rules_for(model.config)
     model, params = jaxlm.load(preset, dtype, placement=sharding.placement(mesh, rules, quiet=True),
                                seed=seed)
-    if remat:
-        model = type(model)(model.config.replace(remat=True))
+    model = type(model)(model.config.replace(remat=remat, attention=attention))
     optimizer = optim.make_optimizer(optim.OptimConfig())
     if lora_rank:
         specs = sharding.adapter_specs(
@@ -81,13 +84,19 @@ def train_throughput(preset, dtype, mesh, *, lora_rank, batch_size, seq, steps, 
 
     def one():
         holder["state"], metrics = step(holder["state"], frozen, batch)
-        jax.block_until_ready(metrics)
+        return jax.block_until_ready(metrics)
 
     t0 = time.perf_counter()
-    one()  # compile
-    print(f"  compiled + first step in {time.perf_counter() - t0:.1f} s")
+    first = one()  # compile
+    # The same weights and batch for every attention kind: their first losses must agree.
+    print(f"  compiled + first step in {time.perf_counter() - t0:.1f} s, loss "
+          f"{float(first['loss']):.4f}")
     one()
     t = median(timed(one, steps))
+    if profile_dir:  # two more steps, traced (perfetto_trace.json.gz under profile_dir)
+        with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+            one()
+            one()
     holder = frozen = None  # free the model before the next one is built
     gc.collect()
     return batch_size * seq / t, t, model.config
@@ -130,6 +139,10 @@ def main(argv=None) -> int:
     p.add_argument("--remat", action="store_true", help="recompute block activations")
     p.add_argument("--lora_rank", type=int, default=4)
     p.add_argument("--decode_batches", default="1,32")
+    p.add_argument("--profile", default=None, metavar="DIR", help="trace two steps of each "
+                   "train run into DIR/<run> (a perfetto trace beside the XLA profile)")
+    p.add_argument("--attention", default="xla", help="comma-separated GemmaConfig.attention "
+                   "kinds to train with: xla (any platform), cudnn (NVIDIA GPU, fused)")
     args = p.parse_args(argv)
 
     smoke = args.smoke
@@ -150,19 +163,30 @@ def main(argv=None) -> int:
           f"{mesh.shape['model']}), batch {batch_size} x {seq} tokens"
           + (", remat" if args.remat else ""))
     start = time.perf_counter()
-    lines = []
+    lines, failed = [], []
     for name, rank in (("full", 0), ("lora", args.lora_rank)):
-        print(f"train {name}:")
-        tps, t, cfg = train_throughput(preset, dtype, mesh, lora_rank=rank, batch_size=batch_size,
-                                       seq=seq, steps=args.steps, remat=args.remat)
-        mfu = model_flops_per_token(cfg, seq, rank) * tps / (n_dev * flops_peak)
-        print(f"  {t * 1e3:.1f} ms/step, {tps:.0f} tokens/s, MFU {mfu:.1%}")
-        lines.append(f"BENCH accel_train_{name} tokens_per_s={tps:.1f} mfu={mfu:.3f} "
-                     f"device={device.device_kind.replace(' ', '_')} devices={n_dev} seq={seq} "
-                     f"batch={batch_size} remat={int(args.remat)}")
+        for attention in args.attention.split(","):
+            label = name + ("" if attention == "xla" else f"_{attention}")
+            print(f"train {label}:")
+            try:
+                tps, t, cfg = train_throughput(preset, dtype, mesh, lora_rank=rank,
+                                               batch_size=batch_size, seq=seq, steps=args.steps,
+                                               remat=args.remat, attention=attention,
+                                               profile_dir=args.profile and os.path.join(
+                                                   args.profile, label))
+            except Exception as e:  # noqa: BLE001  one kind failing must not cost the others
+                print(f"  FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                failed.append(label)
+                gc.collect()
+                continue
+            mfu = model_flops_per_token(cfg, seq, rank) * tps / (n_dev * flops_peak)
+            print(f"  {t * 1e3:.1f} ms/step, {tps:.0f} tokens/s, MFU {mfu:.1%}")
+            lines.append(f"BENCH accel_train_{label} tokens_per_s={tps:.1f} mfu={mfu:.3f} "
+                         f"device={device.device_kind.replace(' ', '_')} devices={n_dev} seq={seq} "
+                         f"batch={batch_size} remat={int(args.remat)}")
     prompt_len = 16 if smoke else 128
     short, long = (40, 64) if smoke else (320, 512)
-    for b in (int(x) for x in args.decode_batches.split(",")):
+    for b in (int(x) for x in args.decode_batches.split(",") if x):
         print(f"decode batch {b}:")
         tps, per_step, read = decode_throughput(preset, dtype, batch_size=b, prompt_len=prompt_len,
                                                 short=short, long=long)
@@ -173,7 +197,9 @@ def main(argv=None) -> int:
                      f"device={device.device_kind.replace(' ', '_')} ms_per_step={per_step * 1e3:.3f}")
     print(f"total {time.perf_counter() - start:.0f} s")
     print("\n".join(lines))
-    return 0
+    if failed:
+        print(f"FAILED: {', '.join(failed)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
