@@ -64,8 +64,11 @@ def test_compile_time_bench_reports_a_ratio():
     positive(lines["compile_2_vs_1"]["ratio"])
 
 
-def test_accelerator_bench_smoke_runs_on_cpu():
-    _, lines = run_bench("accelerator.py", "--smoke")
+def test_accelerator_bench_smoke_runs_on_cpu(tmp_path):
+    _, lines = run_bench("accelerator.py", "--smoke", f"--profile={tmp_path}")
     for name in ("accel_train_full", "accel_train_lora", "accel_decode_b1", "accel_decode_b32"):
         positive(lines[name]["tokens_per_s"])
     positive(lines["accel_train_full"]["mfu"])
+    traces = {os.path.relpath(d, tmp_path).split(os.sep)[0]
+              for d, _, files in os.walk(tmp_path) if "perfetto_trace.json.gz" in files}
+    assert traces == {"full", "lora"}
