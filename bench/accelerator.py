@@ -1,14 +1,15 @@
 """Gemma 2B on one GPU or TPU host: train-step MFU and greedy decode vs the bandwidth limit.
 
     python bench/accelerator.py [--mesh=auto] [--batch_size=N] [--remat] [--steps=5]
-                                [--attention=xla,cudnn]
+                                [--attention=xla,cudnn] [--layers=scan,unrolled]
     python bench/accelerator.py --smoke        # tiny config, runs anywhere (CPU) in a minute
 
 Random weights (no download), bfloat16, sequence 2048:
   1. full fine-tuning and LoRA (rank 4) steps of `jaxlm.train.step.make_train_step`, sharded
      by the layout rules on the host's devices: tokens/s and MFU = model FLOPs (see
      `bench.common.model_flops_per_token`) / (devices x the chip's bf16 peak); once per
-     `--attention` kind (`GemmaConfig.attention`: "cudnn" is the fused kernel, NVIDIA only);
+     `--attention` kind (`GemmaConfig.attention`: "cudnn" is the fused kernel, NVIDIA only)
+     and `--layers` mode (`GemmaConfig.scan_layers`);
   2. greedy decoding (`jaxlm.decode.generate_ids`) on one device at batch 1 and 32: new
      tokens/s, and the fraction of the memory-bandwidth limit, i.e. of
      batch / (bytes read per step / HBM bytes/s) with bytes = all weights + the live KV cache.
@@ -21,6 +22,7 @@ Ends with
     BENCH accel_train_full tokens_per_s=<x> mfu=<x> device=<kind> devices=<n>
     BENCH accel_train_lora tokens_per_s=<x> mfu=<x> ...
     BENCH accel_train_full_cudnn ..., accel_train_lora_cudnn ...   (with --attention=...,cudnn)
+    BENCH accel_train_full_unrolled ...                             (with --layers=...,unrolled)
     BENCH accel_decode_b1 tokens_per_s=<x> bw_fraction=<x> ...
     BENCH accel_decode_b32 tokens_per_s=<x> bw_fraction=<x> ...
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import os
 import sys
 import time
@@ -49,13 +52,14 @@ from jaxlm.train.step import (init_state, make_train_step, micro_batch_sharding,
 
 
 def train_throughput(preset, dtype, mesh, *, lora_rank, batch_size, seq, steps, remat,
-                     attention="xla", profile_dir=None, seed=0):
+                     attention="xla", scan_layers=True, profile_dir=None, seed=0):
     """-> (tokens/s, seconds per step, model config) of a warmed-up, synced train step."""
     model, _ = jaxlm.load(preset, dtype, abstract=True)
     rules = sharding.rules_for(model.config)
     model, params = jaxlm.load(preset, dtype, placement=sharding.placement(mesh, rules, quiet=True),
                                seed=seed)
-    model = type(model)(model.config.replace(remat=remat, attention=attention))
+    model = type(model)(model.config.replace(remat=remat, attention=attention,
+                                             scan_layers=scan_layers))
     optimizer = optim.make_optimizer(optim.OptimConfig())
     if lora_rank:
         specs = sharding.adapter_specs(
@@ -141,6 +145,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode_batches", default="1,32")
     p.add_argument("--profile", default=None, metavar="DIR", help="trace two steps of each "
                    "train run into DIR/<run> (a perfetto trace beside the XLA profile)")
+    p.add_argument("--layers", default="scan", help="comma-separated: scan (one lax.scan over "
+                   "stacked weights) and/or unrolled (GemmaConfig.scan_layers=False)")
     p.add_argument("--attention", default="xla", help="comma-separated GemmaConfig.attention "
                    "kinds to train with: xla (any platform), cudnn (NVIDIA GPU, fused)")
     args = p.parse_args(argv)
@@ -165,13 +171,15 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     lines, failed = [], []
     for name, rank in (("full", 0), ("lora", args.lora_rank)):
-        for attention in args.attention.split(","):
-            label = name + ("" if attention == "xla" else f"_{attention}")
+        for attention, layers in itertools.product(args.attention.split(","),
+                                                   args.layers.split(",")):
+            label = "_".join([name] + [k for k in (attention, layers) if k not in ("xla", "scan")])
             print(f"train {label}:")
             try:
                 tps, t, cfg = train_throughput(preset, dtype, mesh, lora_rank=rank,
                                                batch_size=batch_size, seq=seq, steps=args.steps,
                                                remat=args.remat, attention=attention,
+                                               scan_layers=layers == "scan",
                                                profile_dir=args.profile and os.path.join(
                                                    args.profile, label))
             except Exception as e:  # noqa: BLE001  one kind failing must not cost the others

@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
-# Every accelerator check in one call, for a short lease on one NVIDIA GPU (the README's H200
-# numbers come from it):  bash bench/on_gpu.sh [LOG_DIR]
-# 1. bench/accelerator.py with both training attentions (XLA and the cuDNN fused kernel);
-# 2. tests/test_gpu.py (the fused kernel against XLA's attention; skipped on CPU CI);
-# 3. the cuDNN train steps again at batch 4, to see how much of the step is per-step work
-#    (optimizer, weight stacking) that a larger batch amortises.
+# The accelerator checks for a short lease on one NVIDIA GPU, each mode one call of under
+# 10 minutes (the README's H200 numbers come from `core`):
+#   bash bench/on_gpu.sh [LOG_DIR] [core|levers]
+# core:   bench/accelerator.py with both training attentions (XLA, cuDNN) and greedy decode,
+#         then tests/test_gpu.py (the fused kernel against XLA's attention; CPU CI skips it).
+# levers: the cuDNN train steps with scanned and unrolled layers (GemmaConfig.scan_layers), at
+#         batch 2 and 4: the two levers the H200 profile of 2026-11-30 pointed at (per-step
+#         weight stacking and per-layer weight slices; per-step optimizer work).
 set -o pipefail
 logs=${1:-${OUT:-/tmp}}
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__,
                                              'optax', optax.__version__, jax.devices())"
-timeout "${BENCH_TIMEOUT:-450}" python3 bench/accelerator.py --attention=xla,cudnn 2>&1 \
-    | tee "$logs/accelerator.log"
-JAX_PLATFORMS=cuda timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider \
-    tests/test_gpu.py 2>&1 | tee "$logs/test_gpu.log" | tail -25
-timeout "${BATCH_TIMEOUT:-150}" python3 bench/accelerator.py --attention=cudnn --batch_size=4 \
-    --decode_batches= 2>&1 | tee "$logs/accelerator_b4.log" | grep -E "^BENCH|FAILED"
+case "${2:-core}" in
+  core)
+    timeout 450 python3 bench/accelerator.py --attention=xla,cudnn 2>&1 | tee "$logs/accelerator.log"
+    JAX_PLATFORMS=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+        2>&1 | tee "$logs/test_gpu.log" | tail -25 ;;
+  levers)
+    for b in 2 4; do
+      timeout 270 python3 bench/accelerator.py --attention=cudnn --layers=scan,unrolled \
+          --batch_size=$b --decode_batches= 2>&1 | tee "$logs/levers_b$b.log"
+    done ;;
+  *) echo "unknown mode $2: use core or levers" >&2; exit 2 ;;
+esac

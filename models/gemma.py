@@ -55,6 +55,9 @@ class GemmaConfig:
     rope_base: float = 10_000.0
     dtype: str = "float32"  # parameters and compute; norms and softmax always run in float32
     remat: bool = False  # recompute each block's activations in the backward pass (saves memory)
+    # Training runs the blocks as one lax.scan (compile time flat in depth) over weights stacked
+    # in every step; False unrolls them: no stacking, no per-layer weight slices, a longer compile.
+    scan_layers: bool = True
     # Gemma 2 / 3 switches.
     use_post_attention_norm: bool = False
     use_post_ffw_norm: bool = False
@@ -263,7 +266,7 @@ class Gemma(nn.Module):
                             local_mask)
 
         new_cache = {} if cache is not None else None
-        if cache is None and not self.is_initializing():
+        if cache is None and cfg.scan_layers and not self.is_initializing():
             x = self._scan_blocks(x, inputs)
         else:  # init names the parameters; decoding keeps one cache entry per layer
             for i, block in enumerate(self.blocks):

@@ -1,6 +1,7 @@
 """The training path runs the blocks as a `lax.scan` over layer periods (models/gemma.py); it
-must equal the per-layer loop (which KV-cache decoding still uses), with and without remat,
-including layers past the last whole local/global period, and keep the parameter paths."""
+must equal the per-layer loop (which KV-cache decoding and `scan_layers=False` use), with and
+without remat, including layers past the last whole local/global period, and keep the
+parameter paths."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,7 +31,11 @@ def test_scan_equals_loop_and_remat(extra):
 
     batch = {"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}
     grad = lambda m: jax.grad(lambda p: lm_loss_fn(m)(p, batch, None)[0])(params)  # noqa: E731
-    g0, g1 = grad(model), grad(Gemma(cfg.replace(remat=True)))
-    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    g0 = grad(model)
+    for other in (cfg.replace(remat=True), cfg.replace(scan_layers=False),
+                  cfg.replace(scan_layers=False, remat=True)):
+        for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(grad(Gemma(other)))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    unrolled = Gemma(cfg.replace(scan_layers=False))
+    assert "scan" not in str(jax.make_jaxpr(lambda p: unrolled.apply({"params": p}, ids))(params))
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g0["decoder_block_4"])) > 0
