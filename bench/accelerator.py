@@ -92,7 +92,7 @@ def train_throughput(preset, dtype, mesh, *, lora_rank, batch_size, seq, steps, 
 
     t0 = time.perf_counter()
     first = one()  # compile
-    # The same weights and batch for every attention kind: their first losses must agree.
+    # The same weights and batch for every attention kind and layer mode: first losses agree.
     print(f"  compiled + first step in {time.perf_counter() - t0:.1f} s, loss "
           f"{float(first['loss']):.4f}")
     one()
@@ -165,6 +165,7 @@ def main(argv=None) -> int:
         print(f"CPU: using the measured {dtype} matmul peak {peak[0] / 1e9:.1f} GFLOP/s; no HBM "
               "bandwidth figure (bw_fraction = nan)")
     flops_peak, hbm_bw = peak if peak else (float("nan"), float("nan"))
+    kind = device.device_kind.replace(" ", "_")  # one token in the BENCH lines
     print(f"{preset} {dtype} on {n_dev} x {device.device_kind} (mesh {mesh.shape['batch']}x"
           f"{mesh.shape['model']}), batch {batch_size} x {seq} tokens"
           + (", remat" if args.remat else ""))
@@ -190,7 +191,7 @@ def main(argv=None) -> int:
             mfu = model_flops_per_token(cfg, seq, rank) * tps / (n_dev * flops_peak)
             print(f"  {t * 1e3:.1f} ms/step, {tps:.0f} tokens/s, MFU {mfu:.1%}")
             lines.append(f"BENCH accel_train_{label} tokens_per_s={tps:.1f} mfu={mfu:.3f} "
-                         f"device={device.device_kind.replace(' ', '_')} devices={n_dev} seq={seq} "
+                         f"device={kind} devices={n_dev} seq={seq} "
                          f"batch={batch_size} remat={int(args.remat)}")
     prompt_len = 16 if smoke else 128
     short, long = (40, 64) if smoke else (320, 512)
@@ -202,7 +203,7 @@ def main(argv=None) -> int:
         print(f"  {per_step * 1e3:.2f} ms/step, {tps:.0f} new tokens/s; {read / 1e9:.2f} GB read "
               f"per step -> limit {limit:.0f} tokens/s ({tps / limit:.1%})")
         lines.append(f"BENCH accel_decode_b{b} tokens_per_s={tps:.1f} bw_fraction={tps / limit:.3f} "
-                     f"device={device.device_kind.replace(' ', '_')} ms_per_step={per_step * 1e3:.3f}")
+                     f"device={kind} ms_per_step={per_step * 1e3:.3f}")
     print(f"total {time.perf_counter() - start:.0f} s")
     print("\n".join(lines))
     if failed:
