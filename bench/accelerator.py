@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     peak = chip_peak(device)
     if peak is None and device.platform == "cpu":
-        peak = (matmul_peak(1024 if smoke else 4096), float("nan"))
+        peak = (matmul_peak((1024,) if smoke else (1024, 2048, 4096), dtype=dtype), float("nan"))
         print(f"CPU: using the measured {dtype} matmul peak {peak[0] / 1e9:.1f} GFLOP/s; no HBM "
               "bandwidth figure (bw_fraction = nan)")
     flops_peak, hbm_bw = peak if peak else (float("nan"), float("nan"))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 
@@ -40,6 +41,9 @@ import numpy as np  # noqa: E402
 
 import jaxlm  # noqa: E402
 from jaxlm.tokenizer import Tokenizer, default_tokenizer  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import allocator_line  # noqa: E402
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog",
            "Return the value of the named attribute of object",
@@ -129,6 +133,7 @@ def main() -> None:
     print(f"config: {model.config}")
     print(f"batch {args.batch}, prompt lengths {lengths}, max_length {args.max_length}, "
           f"{jax.device_count()} device(s) {jax.devices()[0].platform}")
+    print(allocator_line())
 
     def ours(n):
         return jaxlm.generate(model, params, tok, prompts, max_length=n, stop_token_ids=None)

@@ -16,7 +16,8 @@ counted), per token, N = matmul parameters incl. the tied output projection, L l
 tokens per sequence, q heads x head_dim = Nq*D:
     full: 6N + 12 L T Nq D   (forward 2N, backward 4N; attention scores and values)
     LoRA: 4N +  8 L T Nq D   (no weight gradients for the frozen base)
-The machine's peak is measured here: the best of several jitted float32 [4096, 4096] matmuls.
+The machine's peak is measured here: the best of jitted float32 [n, n] matmuls, n = 1024, 2048, 4096
+(`bench.common.matmul_peak`).
 
 Ends with
     BENCH train_lora jaxlm=<tok/s> keras=<tok/s> ratio=<x> unit=tokens/s
@@ -44,7 +45,7 @@ from jaxlm import lora  # noqa: E402
 from jaxlm.train import optim  # noqa: E402
 from jaxlm.train.loss import lm_loss_fn  # noqa: E402
 from jaxlm.train.step import init_state, make_train_step  # noqa: E402
-from bench.common import matmul_peak, model_flops_per_token  # noqa: E402
+from bench.common import allocator_line, matmul_peak, model_flops_per_token  # noqa: E402
 
 
 def build_keras(args, preset_dir: str):
@@ -154,6 +155,7 @@ def main(argv=None) -> int:
                   + ("" if k is None else f" | keras {k * 1e3:8.1f} ms/step {tokens / k:8.1f} tok/s "
                      f"({flops / k / peak:.0%}) | ratio {k / j:.2f}x"))
     print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} (1, 5 min) on {os.cpu_count()} cores")
+    print(allocator_line())
     for mode in ("lora", "full"):
         j, k = results[mode]
         keras_part = "keras=nan ratio=nan" if k is None else f"keras={tokens / k:.1f} ratio={k / j:.2f}"
