@@ -69,6 +69,6 @@ def median(xs) -> float:
 
 
 def allocator_line() -> str:
-    """Which malloc settings this run has: on CPU, huge pages change step times by 5-15%
+    """Which malloc settings this run has: on CPU, huge pages change step times by up to ~15%
     (bench/README.md, "Page faults")."""
     return f"allocator: GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(unset: glibc defaults)')}"
