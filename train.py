@@ -77,4 +77,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from jaxlm.hugepages import restart_with_huge_pages
+    restart_with_huge_pages()  # on Linux: once, before jax starts (see its docstring)
     sys.exit(main())

@@ -172,4 +172,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from jaxlm.hugepages import restart_with_huge_pages
+    restart_with_huge_pages()  # on Linux: once (see its docstring)
     main()
