@@ -36,7 +36,11 @@ def restart_with_huge_pages(execve=os.execve) -> None:
     """Re-execute this interpreter with the tunable (see the module docstring); returns only
     when nothing needs doing. Call it first thing in a `__main__` block."""
     env = tuned_environ(os.environ)
-    if env is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
+    if env is None or not sys.executable:  # an embedded interpreter has nothing to re-execute
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
         execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError:  # only speed is at stake: run on with the default allocator
+        pass

@@ -33,6 +33,10 @@ def test_restart_execs_the_same_command_line(monkeypatch):
     assert path == sys.executable and argv == [sys.executable, *sys.orig_argv[1:]]
     assert env["GLIBC_TUNABLES"] == hugepages.TUNABLE
 
+    def refuse(*args):
+        raise PermissionError("exec refused")
+    hugepages.restart_with_huge_pages(execve=refuse)  # runs on instead of failing the command
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc tunables are Linux-only")
 def test_a_script_restarts_exactly_once_with_its_arguments(tmp_path):
