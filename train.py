@@ -78,5 +78,5 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     from jaxlm.hugepages import restart_with_huge_pages
-    restart_with_huge_pages()  # on Linux: once, before jax starts (see its docstring)
+    restart_with_huge_pages()  # on Linux: once, before any work (see its docstring)
     sys.exit(main())

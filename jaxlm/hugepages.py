@@ -1,18 +1,19 @@
 """Start the command-line tools with glibc's malloc backed by transparent huge pages.
 
 On CPU every XLA step allocates its temporaries afresh, and glibc returns large blocks to the
-kernel when they are freed, so each step faults its memory in again 4 KiB at a time: 114k
-minor faults and ~0.23 s of kernel time per LoRA step of the bench config. With
+kernel when they are freed, so each step faults its memory in again 4 KiB at a time: 114k minor
+faults and ~0.23 s of kernel time per LoRA step of the bench config. With
 `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` malloc asks for transparent huge pages (2 MiB), the
-faults drop ~150-fold and the weights stream with fewer TLB misses: the demo's steps took
-4.8 s instead of 5.7, a batch-4 decode step 6.9 ms instead of 7.8-8.8 (bench/README.md,
-"Page faults").
+faults drop ~150-fold and (fewer TLB misses, presumably) the weights stream faster: the demo's
+steps took 4.8 s instead of 5.7, a batch-4 decode step 6.9 ms instead of 7.8-8.8
+(bench/README.md, "Page faults").
 
-glibc reads its tunables once, when the process starts, so `python train.py` and
-`python -m jaxlm.generate` re-execute themselves once with the tunable added (same PID,
-arguments and environment otherwise) before importing jax. Library code never does this: in
-your own scripts, set the variable before starting Python. `JAXLM_HUGE_PAGES=0` turns it off;
-an older glibc ignores the tunable, and the variable being set stops a second re-exec.
+glibc reads its tunables once, when the process starts, so `python train.py` and `python -m
+jaxlm.generate` re-execute themselves once with the tunable added (same PID, arguments and
+environment otherwise) before any work; importing the jaxlm package, ~1 s, is paid twice.
+Library code never does this: in your own scripts, set the variable before starting Python.
+`JAXLM_HUGE_PAGES=0` turns it off; an older glibc ignores the tunable, and the variable being
+set stops a second re-exec.
 """
 from __future__ import annotations
 
