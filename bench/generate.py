@@ -30,20 +30,18 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import jaxlm  # noqa: E402
 from jaxlm.tokenizer import Tokenizer, default_tokenizer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import allocator_line  # noqa: E402
+from bench.common import allocator_line, timed  # noqa: E402
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog",
            "Return the value of the named attribute of object",
@@ -75,16 +73,6 @@ def build_preset(out_dir: str, tok: Tokenizer, args) -> None:
     tokenizer = keras_hub.models.GemmaTokenizer(proto=tok.proto)
     pre = keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, sequence_length=args.max_length)
     keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=pre).save_to_preset(out_dir)
-
-
-def best_time(fn, repeats: int) -> float:
-    """Fastest of `repeats` timed calls (the machine is shared; the minimum is the least noisy)."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def weight_readers(params) -> dict:
@@ -155,10 +143,10 @@ def main() -> None:
     for _ in range(args.repeats):
         for name, fn in calls.items():
             for n in sizes:
-                samples[name][n].append(best_time(lambda: fn(n), 1))
-            for name, read in readers.items():
-                reads[name].append(best_time(read, 4))
-            streams.append(best_time(stream, 4))
+                samples[name][n].extend(timed(lambda: fn(n), 1))
+            for kind, read in readers.items():
+                reads[kind].append(min(timed(read, 4)))
+            streams.append(min(timed(stream, 4)))
     timings = {name: {n: min(ts) for n, ts in by_n.items()} for name, by_n in samples.items()}
     same = ours(args.max_length) == theirs(args.max_length)
 
