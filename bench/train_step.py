@@ -1,6 +1,6 @@
 """One training step, jaxlm vs KerasHub `GemmaCausalLM.fit`, LoRA (rank 4) and full fine-tuning.
 
-    python bench/train_step.py [--steps=5] [--warmup=2] [--layers=6] [--skip_keras]
+    python bench/train_step.py [--steps=5] [--warmup=2] [--rounds=2] [--layers=6] [--skip_keras]
 
 The bench config of the performance issue: vocab 32000, 6 layers, hidden 512, 8 query heads /
 1 KV head, head_dim 64, FFN width 2048 (KerasHub intermediate_dim 4096), batch 8 x 256 tokens,
@@ -8,8 +8,12 @@ float32, ONE CPU device (no simulated mesh). A random KerasHub GemmaBackbone is 
 `save_to_preset` and jaxlm loads that preset, so both train the same weights on the same
 batch with the same optimizer (AdamW 5e-5, weight decay 0.01 off for norm scales, global-norm
 clipping 1.0) and the same metrics (loss + weighted token accuracy). Each step is synced
-(`block_until_ready` / the Keras logs) and the median of `--steps` timed steps after
-`--warmup` is reported; the host is shared, so `uptime` is printed with the numbers.
+(`block_until_ready` / the Keras logs). After `--warmup` steps each, the two take turns:
+`--steps` steps of jaxlm, then `--steps` of KerasHub (one more `fit` on the compiled model),
+`--rounds` times (each turn's first step, a switch, is not counted), and the median over all
+of a framework's timed steps is reported. The host
+is shared and its load drifts over a run's minutes; taking turns puts that drift on both
+sides. The per-round medians and the load average are printed with the numbers.
 
 Model FLOPs (the usual MFU convention; embedding lookups, norms and the optimizer not
 counted), per token, N = matmul parameters incl. the tied output projection, L layers, T
@@ -45,7 +49,7 @@ from jaxlm import lora  # noqa: E402
 from jaxlm.train import optim  # noqa: E402
 from jaxlm.train.loss import lm_loss_fn  # noqa: E402
 from jaxlm.train.step import init_state, make_train_step  # noqa: E402
-from bench.common import allocator_line, matmul_peak, model_flops_per_token  # noqa: E402
+from bench.common import allocator_line, matmul_peak, model_flops_per_token, timed  # noqa: E402
 
 
 def build_keras(args, preset_dir: str):
@@ -60,8 +64,8 @@ def build_keras(args, preset_dir: str):
     return backbone
 
 
-def keras_steps(backbone, batch, args, lora_rank: int) -> list[float]:
-    """Seconds per synced `fit` step (all steps, warm-up included)."""
+def keras_runner(backbone, batch, args, lora_rank: int):
+    """-> run(n): seconds per synced `fit` step for n more steps of the same compiled model."""
     import keras
     import keras_hub
     if lora_rank:
@@ -82,15 +86,20 @@ def keras_steps(backbone, batch, args, lora_rank: int) -> list[float]:
             jax.block_until_ready(logs)
             times.append(time.perf_counter() - self.t0)
 
-    n = args.warmup + args.steps
     ids, mask = batch["token_ids"], batch["padding_mask"]
-    x = {"token_ids": np.tile(ids[:, :-1], (n, 1)), "padding_mask": np.tile(mask[:, :-1], (n, 1))}
-    lm.fit(x, np.tile(ids[:, 1:], (n, 1)), sample_weight=np.tile(mask[:, 1:], (n, 1)).astype("float32"),
-           batch_size=args.batch, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
-    return times
+
+    def run(n: int) -> list[float]:
+        del times[:]
+        x = {"token_ids": np.tile(ids[:, :-1], (n, 1)), "padding_mask": np.tile(mask[:, :-1], (n, 1))}
+        lm.fit(x, np.tile(ids[:, 1:], (n, 1)),
+               sample_weight=np.tile(mask[:, 1:], (n, 1)).astype("float32"),
+               batch_size=args.batch, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
+        return list(times)
+    return run
 
 
-def jaxlm_steps(preset_dir: str, batch, args, lora_rank: int) -> list[float]:
+def jaxlm_runner(preset_dir: str, batch, args, lora_rank: int):
+    """-> run(n): seconds per synced step for n more steps of the same jitted step."""
     model, params = jaxlm.load(preset_dir, "float32")
     optimizer = optim.make_optimizer(optim.OptimConfig())
     if lora_rank:
@@ -98,21 +107,30 @@ def jaxlm_steps(preset_dir: str, batch, args, lora_rank: int) -> list[float]:
         frozen, merge = params, lora.merge
     else:
         trainable, frozen, merge = params, None, None
-    state = init_state(trainable, optimizer)
+    state = [init_state(trainable, optimizer)]
     del trainable, params
     step = make_train_step(lm_loss_fn(model), optimizer, merge=merge)
     device_batch = jax.device_put(batch)
-    times = []
-    for _ in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
-        state, metrics = step(state, frozen, device_batch)
-        jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - t0)
-    return times
+
+    def one():
+        state[0], metrics = step(state[0], frozen, device_batch)
+        jax.block_until_ready((state[0], metrics))
+    return lambda n: timed(one, n)
 
 
-def median_after_warmup(times, warmup: int) -> float:
-    return statistics.median(times[warmup:])
+def interleaved(runners: dict, warmup: int, steps: int, rounds: int) -> dict:
+    """{name: run(n)} -> {name: per-round lists of step seconds}: every runner warms up, then
+    the runners take turns, `steps` steps each, `rounds` times, so a change in the shared
+    host's load over the minutes of a run falls on all of them alike. Each turn runs one step
+    more and drops its first: in a new `fit` call KerasHub's first step takes ~0.3 s longer
+    (its data feed starting), which a user's single long `fit` pays once."""
+    for run in runners.values():
+        run(warmup)
+    out = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, run in runners.items():
+            out[name].append(run(steps + 1)[1:])
+    return out
 
 
 def main(argv=None) -> int:
@@ -123,6 +141,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2,
+                   help="turns of --steps steps each framework takes, alternating")
     p.add_argument("--rank", type=int, default=4)
     p.add_argument("--skip_keras", action="store_true")
     args = p.parse_args(argv)
@@ -142,12 +162,15 @@ def main(argv=None) -> int:
         backbone = build_keras(args, preset)
         cfg = jaxlm.load(preset, "float32", abstract=True)[0].config
         for mode, rank in (("full", 0), ("lora", args.rank)):
-            jt = jaxlm_steps(preset, batch, args, rank)
-            j = median_after_warmup(jt, args.warmup)
-            k = None
-            if not args.skip_keras:
-                kt = keras_steps(backbone, batch, args, rank)  # full first: enable_lora is one-way
-                k = median_after_warmup(kt, args.warmup)
+            runners = {"jaxlm": jaxlm_runner(preset, batch, args, rank)}
+            if not args.skip_keras:  # full first: enable_lora is one-way
+                runners["keras"] = keras_runner(backbone, batch, args, rank)
+            times = interleaved(runners, args.warmup, args.steps, args.rounds)
+            print(f"{mode:>4} rounds (median ms/step): " + ", ".join(
+                f"{name} " + " ".join(f"{statistics.median(r) * 1e3:.0f}" for r in rounds)
+                for name, rounds in times.items()))
+            j, k = (statistics.median(sum(times[name], [])) if name in times else None
+                    for name in ("jaxlm", "keras"))
             results[mode] = (j, k)
             flops = model_flops_per_token(cfg, args.seq, rank) * tokens
             print(f"{mode:>4}: jaxlm {j * 1e3:8.1f} ms/step {tokens / j:8.1f} tok/s "

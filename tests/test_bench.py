@@ -43,6 +43,21 @@ def test_train_step_bench_compares_both_modes_with_kerashub():
     assert {"jaxlm", "lora", "keras_full", "peak_gflops"} <= set(lines["train_mfu_cpu"])
 
 
+def test_train_step_bench_takes_turns_and_drops_each_turns_first_step():
+    sys.path.insert(0, ROOT)
+    from bench.train_step import interleaved
+    calls = []
+
+    def runner(name):
+        def run(n):
+            calls.append((name, n))
+            return [float(len(calls))] * n  # each step "takes" the turn's number
+        return run
+    out = interleaved({"a": runner("a"), "b": runner("b")}, warmup=2, steps=3, rounds=2)
+    assert calls == [("a", 2), ("b", 2), ("a", 4), ("b", 4), ("a", 4), ("b", 4)]
+    assert out == {"a": [[3.0] * 3, [5.0] * 3], "b": [[4.0] * 3, [6.0] * 3]}
+
+
 def test_generate_bench_gives_kerashub_strings():
     out, lines = run_bench("generate.py", "--layers=1", "--vocab=4096", "--max_length=48",
                            "--short_length=24", "--repeats=1")
