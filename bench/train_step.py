@@ -11,9 +11,9 @@ clipping 1.0) and the same metrics (loss + weighted token accuracy). Each step i
 (`block_until_ready` / the Keras logs). After `--warmup` steps each, the two take turns:
 `--steps` steps of jaxlm, then `--steps` of KerasHub (one more `fit` on the compiled model),
 `--rounds` times (each turn's first step, a switch, is not counted), and the median over all
-of a framework's timed steps is reported. The host
-is shared and its load drifts over a run's minutes; taking turns puts that drift on both
-sides. The per-round medians and the load average are printed with the numbers.
+of a framework's timed steps is reported. The host is shared and its load drifts over a run's
+minutes; taking turns puts that drift on both sides. The per-round medians and the load
+average are printed with the numbers.
 
 Model FLOPs (the usual MFU convention; embedding lookups, norms and the optimizer not
 counted), per token, N = matmul parameters incl. the tied output projection, L layers, T
@@ -107,14 +107,15 @@ def jaxlm_runner(preset_dir: str, batch, args, lora_rank: int):
         frozen, merge = params, lora.merge
     else:
         trainable, frozen, merge = params, None, None
-    state = [init_state(trainable, optimizer)]
+    state = init_state(trainable, optimizer)
     del trainable, params
     step = make_train_step(lm_loss_fn(model), optimizer, merge=merge)
     device_batch = jax.device_put(batch)
 
     def one():
-        state[0], metrics = step(state[0], frozen, device_batch)
-        jax.block_until_ready((state[0], metrics))
+        nonlocal state
+        state, metrics = step(state, frozen, device_batch)
+        jax.block_until_ready((state, metrics))
     return lambda n: timed(one, n)
 
 
