@@ -116,3 +116,20 @@ def test_final_logit_soft_cap_matches_the_model():
     uncapped = L.naive_cross_entropy(Gemma(CFG).apply({"params": params}, x, xm), y, sw)
     np.testing.assert_allclose(float(m["loss_sum"]), float(naive["loss_sum"]), rtol=1e-5)
     assert abs(float(naive["loss_sum"]) - float(uncapped["loss_sum"])) > 1e-3
+
+
+def test_hits_break_ties_as_argmax():
+    """`correct` counts jnp.argmax hits: on a tied maximum only the first index is a hit, and
+    the loss equals the naive one there too (sum and first index share one reduction)."""
+    v, h = 40, 4
+    emb = np.zeros((v, h), np.float32)
+    emb[7] = emb[23] = [3.0, 0, 0, 0]  # tokens 7 and 23 tie for the top logit
+    emb[30] = [1.0, 0, 0, 0]
+    hidden = jnp.asarray(np.tile([[[1.0, 0, 0, 0]]], (1, 4, 1)), jnp.float32)  # [1, 4, H]
+    y = jnp.asarray([[7, 23, 7, 30]], jnp.int32)  # first-index rule: 2 hits (last: 1, any: 3)
+    w = jnp.ones((1, 4), jnp.float32)
+    for chunk in (1, 4):
+        m = L.chunked_cross_entropy(hidden, jnp.asarray(emb), y, w, chunk_size=chunk)
+        naive = L.naive_cross_entropy(hidden @ emb.T, y, w)
+        assert float(m["correct"]) == float(naive["correct"]) == 2.0  # the two 7s
+        np.testing.assert_allclose(float(m["loss_sum"]), float(naive["loss_sum"]), rtol=1e-6)
