@@ -7,7 +7,6 @@ import time
 
 import h5py
 import numpy as np
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tiny and quick, but long enough (in steps) that a kill lands mid-run.
