@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import statistics
 import time
 
@@ -72,3 +73,21 @@ def allocator_line() -> str:
     """Which malloc settings this run has: on CPU, huge pages change step times by up to ~15%
     (bench/README.md, "Page faults")."""
     return f"allocator: GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(unset: glibc defaults)')}"
+
+
+def host_line() -> str:
+    """Which CPU ran the bench. The ratios depend on it: on the same commit a 2-core AMD EPYC
+    (Zen 4) host gave LoRA 1.30-1.47x where an earlier 2-core host gave 1.27-1.29x
+    (bench/README.md, "a second 2-core host")."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = info.get("model name") or platform.processor() or platform.machine()
+    family = f" (family {info['cpu family']} model {info['model']})" if "cpu family" in info else ""
+    avx512 = " avx512" if "avx512f" in info.get("flags", "").split() else ""
+    return f"host: {name}{family}{avx512}, {os.cpu_count()} cores"

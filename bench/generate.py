@@ -41,7 +41,7 @@ import jaxlm  # noqa: E402
 from jaxlm.tokenizer import Tokenizer, default_tokenizer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import allocator_line, timed  # noqa: E402
+from bench.common import allocator_line, host_line, timed  # noqa: E402
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog",
            "Return the value of the named attribute of object",
@@ -122,6 +122,7 @@ def main() -> None:
     print(f"batch {args.batch}, prompt lengths {lengths}, max_length {args.max_length}, "
           f"{jax.device_count()} device(s) {jax.devices()[0].platform}")
     print(allocator_line())
+    print(host_line())
 
     def ours(n):
         return jaxlm.generate(model, params, tok, prompts, max_length=n, stop_token_ids=None)

@@ -49,7 +49,7 @@ from jaxlm import lora  # noqa: E402
 from jaxlm.train import optim  # noqa: E402
 from jaxlm.train.loss import lm_loss_fn  # noqa: E402
 from jaxlm.train.step import init_state, make_train_step  # noqa: E402
-from bench.common import allocator_line, matmul_peak, model_flops_per_token, timed  # noqa: E402
+from bench.common import allocator_line, host_line, matmul_peak, model_flops_per_token, timed  # noqa: E402
 
 
 def build_keras(args, preset_dir: str):
@@ -180,6 +180,7 @@ def main(argv=None) -> int:
                      f"({flops / k / peak:.0%}) | ratio {k / j:.2f}x"))
     print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} (1, 5 min) on {os.cpu_count()} cores")
     print(allocator_line())
+    print(host_line())
     for mode in ("lora", "full"):
         j, k = results[mode]
         keras_part = "keras=nan ratio=nan" if k is None else f"keras={tokens / k:.1f} ratio={k / j:.2f}"
