@@ -27,6 +27,17 @@ def run_bench(script, *args):
     return r.stdout, lines
 
 
+def assert_names_its_host(stdout: str):
+    """The CPU ratios depend on the machine, so each CPU bench says which one ran it."""
+    host = [line for line in stdout.splitlines() if line.startswith("host: ")]
+    assert len(host) == 1 and f"{os.cpu_count()} cores" in host[0], host
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), "")
+        assert model in host[0], (model, host)
+
+
 def positive(value: str) -> float:
     x = float(value)
     assert math.isfinite(x) and x > 0, value
@@ -34,8 +45,9 @@ def positive(value: str) -> float:
 
 
 def test_train_step_bench_compares_both_modes_with_kerashub():
-    _, lines = run_bench("train_step.py", "--layers=1", "--vocab=512", "--batch=2", "--seq=32",
-                         "--steps=1", "--warmup=1")
+    out, lines = run_bench("train_step.py", "--layers=1", "--vocab=512", "--batch=2", "--seq=32",
+                           "--steps=1", "--warmup=1")
+    assert_names_its_host(out)
     for mode in ("lora", "full"):
         fields = lines[f"train_{mode}"]
         assert positive(fields["ratio"]) == pytest.approx(
@@ -62,6 +74,7 @@ def test_generate_bench_gives_kerashub_strings():
     out, lines = run_bench("generate.py", "--layers=1", "--vocab=4096", "--max_length=48",
                            "--short_length=24", "--repeats=1")
     assert "identical strings: True" in out
+    assert_names_its_host(out)
     positive(lines["generate_b4"]["ratio"])
     fields = lines["decode_step_vs_weight_read"]
     positive(fields["weight_read_ms"]), positive(fields["jaxlm_x_read"])
