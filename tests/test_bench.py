@@ -80,6 +80,27 @@ def test_generate_bench_gives_kerashub_strings():
     positive(fields["weight_read_ms"]), positive(fields["jaxlm_x_read"])
 
 
+def test_skinny_matmul_bench_times_each_column_count_against_one_read():
+    out, lines = run_bench("skinny_matmul.py", "--rows=256", "--cols=64", "--columns=1,4",
+                           "--cores=1", "--repeats=3", "--rounds=1")
+    assert_names_its_host(out)
+    fields = lines["skinny_matmul"]
+    assert fields["cores"] == "1" and "1 core(s)" in out
+    for name in ("read_ms", "c1_ms", "c4_ms", "c1_x_read", "c4_x_read", "numpy_c4_ms"):
+        positive(fields[name])
+    assert "c2_ms" not in fields
+    assert math.isclose(float(fields["c4_x_read"]),
+                        float(fields["c4_ms"]) / float(fields["read_ms"]), rel_tol=0.02)
+
+
+def test_skinny_matmul_bench_refuses_more_cores_than_it_may_use():
+    r = subprocess.run([sys.executable, os.path.join("bench", "skinny_matmul.py"),
+                        f"--cores={len(os.sched_getaffinity(0)) + 1}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "--cores=" in r.stderr and "pass 1 to" in r.stderr
+
+
 def test_memory_bench_compiles_a_tiny_config_for_tpu():
     _, lines = run_bench("memory.py", "--presets=gemma_tiny", "--topology=v5e:2x4", "--remat=on",
                          "--sequence_length=64")
