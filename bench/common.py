@@ -76,9 +76,8 @@ def allocator_line() -> str:
 
 
 def host_line() -> str:
-    """Which CPU ran the bench. The ratios depend on it: on the same commit a 2-core AMD EPYC
-    (Zen 4) host gave LoRA 1.30-1.47x where an earlier 2-core host gave 1.27-1.29x
-    (bench/README.md, "a second 2-core host")."""
+    """Which CPU ran the bench. The ratios depend on it: the same commit gave different LoRA
+    ratios on two 2-core hosts (bench/README.md, "a second 2-core host")."""
     info = {}
     try:
         with open("/proc/cpuinfo") as f:

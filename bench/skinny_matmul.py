@@ -7,10 +7,10 @@ with memory it would take as long as one read of the matrix, whatever B is (B FM
 loaded is far below a core's compute). This script times, on the bench config's largest matrix
 (the tied [32000, 512] float32 vocabulary table, 65.5 MB): one read (a jitted max over it),
 then `W @ x.T` for each column count, each as a multiple of the read and in GFLOP/s, and the
-same products in NumPy (its BLAS) for comparison. `--cores=N`
-pins the process to its first N CPUs before jax starts (XLA sizes its thread pool from the
-affinity mask), so the per-core numbers show whether the product is bound by memory or by the
-kernel: with one core a read loses little speed, the product much more.
+same products in NumPy (its BLAS) for comparison. `--cores=N` pins the process to its first N
+CPUs before jax starts (XLA sizes its thread pool from the affinity mask), so the per-core
+numbers show whether the product is bound by memory or by the kernel: with one core a read
+loses little speed, the product much more.
 
 `bench/generate.py` streams all the weights this way ("through batch-4 matmuls"), and the decode
 step can only approach that, not the read (bench/README.md, the decode section).
@@ -79,11 +79,10 @@ def main() -> None:
     print(f"one read: {best['read'] * 1e3:.2f} ms ({nbytes / best['read'] / 1e9:.1f} GB/s)")
     fields = [f"read_ms={best['read'] * 1e3:.3f}"]
     for b in columns:
-        t = best[b]
-        flops = 2 * w.size * b / t
+        t, flop = best[b], 2 * w.size * b
         print(f"W @ x.T, {b} column(s): {t * 1e3:.2f} ms = {t / best['read']:.2f}x the read, "
-              f"{flops / 1e9:.1f} GFLOP/s ({flops / cores / 1e9:.1f} per core); at the read's "
-              f"speed it would need {2 * w.size * b / best['read'] / 1e9:.1f}; NumPy "
+              f"{flop / t / 1e9:.1f} GFLOP/s ({flop / t / cores / 1e9:.1f} per core); at the read's "
+              f"speed it would need {flop / best['read'] / 1e9:.1f}; NumPy "
               f"{best['numpy', b] * 1e3:.2f} ms")
         fields += [f"c{b}_ms={t * 1e3:.3f}", f"c{b}_x_read={t / best['read']:.2f}",
                    f"numpy_c{b}_ms={best['numpy', b] * 1e3:.3f}"]
