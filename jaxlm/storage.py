@@ -1,0 +1,119 @@
+"""Paths are URLs: one set of file operations for local paths and `gs://` (any etils/fsspec URL).
+
+Everything jaxlm reads or writes -- checkpoints, metrics, exports, shards, tokenizers -- goes
+through these functions, never `os.path` on a string that may be a URL (`os.path.abspath`
+turns `gs://b/run` into `<cwd>/gs:/b/run`). They are thin wrappers over `etils.epath.Path`,
+which orbax uses too, so a checkpoint and the files beside it land in the same place.
+
+`gs://` needs `gcsfs` (`pip install gcsfs`). TensorFlow's gfile would also serve, but jaxlm
+never imports TensorFlow at run time, so `EPATH_USE_TF` is set to false before etils reads it.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("EPATH_USE_TF", "false")
+
+from etils import epath  # noqa: E402
+
+
+def is_url(path) -> bool:
+    return "://" in os.fspath(path)
+
+
+def path(p) -> epath.Path:
+    """An epath.Path for a local path or URL (a local path is made absolute)."""
+    p = os.fspath(p)
+    return epath.Path(p if is_url(p) else os.path.abspath(p))
+
+
+def absolute(p) -> str:
+    """Local paths made absolute; URLs unchanged."""
+    return os.fspath(path(p))
+
+
+def join(base, *parts) -> str:
+    """`base/part/...` for a local path or a URL (URLs keep their scheme)."""
+    base = os.fspath(base)
+    if is_url(base):
+        return "/".join([base.rstrip("/")] + [os.fspath(p).strip("/") for p in parts])
+    return os.path.join(base, *parts)
+
+
+def parent(p) -> str:
+    p = os.fspath(p)
+    if is_url(p):
+        return p.rstrip("/").rsplit("/", 1)[0]
+    return os.path.dirname(os.path.abspath(p))
+
+
+def basename(p) -> str:
+    return os.fspath(p).rstrip("/").rsplit("/", 1)[-1]
+
+
+def exists(p) -> bool:
+    return path(p).exists()
+
+
+def isdir(p) -> bool:
+    return path(p).is_dir()
+
+
+def isfile(p) -> bool:
+    return path(p).is_file()
+
+
+def listdir(p) -> list[str]:
+    """Names (not paths) of the entries of folder `p`, sorted; [] if it does not exist."""
+    d = path(p)
+    if not d.is_dir():
+        return []
+    return sorted(child.name for child in d.iterdir())
+
+
+def makedirs(p) -> None:
+    path(p).mkdir(parents=True, exist_ok=True)
+
+
+def open_file(p, mode: str = "r", **kwargs):
+    """`open` for local paths and URLs (text modes decode UTF-8)."""
+    if "b" not in mode:
+        kwargs.setdefault("encoding", "utf-8")
+    return path(p).open(mode, **kwargs)
+
+
+def read_text(p) -> str:
+    with open_file(p) as f:
+        return f.read()
+
+
+def write_text(p, text: str) -> None:
+    with open_file(p, "w") as f:
+        f.write(text)
+
+
+def read_bytes(p) -> bytes:
+    with open_file(p, "rb") as f:
+        return f.read()
+
+
+def write_bytes(p, data: bytes) -> None:
+    with open_file(p, "wb") as f:
+        f.write(data)
+
+
+def rename(src, dst) -> None:
+    """Move `src` to `dst` (atomic on a local filesystem; a copy then delete on object stores)."""
+    path(src).rename(path(dst))
+
+
+def remove_tree(p) -> None:
+    d = path(p)
+    if d.is_dir():
+        d.rmtree()
+    elif d.exists():
+        d.unlink()
+
+
+def size(p) -> int:
+    return path(p).stat().length
