@@ -12,6 +12,12 @@ and `merge(params, adapters)` returns the effective parameters, kernel + (alpha 
 merges inside `jit` and differentiates only the adapters; since B starts at zero the merged
 model starts equal to the base one.
 
+The adapter tree describes itself: it is an `Adapters`, a dict that also carries `rank`,
+`alpha` and `targets`. They are static pytree data (not leaves), so `jax.tree.map`, `jit`,
+gradients, optax and orbax all see the same factors and keep the description, and `merge`,
+`jaxlm.generate`, the trainer's evaluation and every export read alpha from the tree instead
+of a flag someone must remember to pass again.
+
 Targets are regexes `re.fullmatch`ed against parameter paths; each must match at least one
 `.../kernel` of rank >= 2. The default equals KerasHub's `enable_lora`, which LoRA-fies the
 layers named query/value: every attention query and value kernel (Gemma's
@@ -21,21 +27,11 @@ he_uniform init and scale alpha / r with alpha = r all match `EinsumDense.enable
 Gemma 2B at rank 4 trains 1,363,968 parameters, as in KerasHub.
 
 Weight-space merging cannot apply dropout to the layer input, so `dropout` must be 0 (KerasHub's
-LoRA has no dropout either). `alpha` scales the update in `merge`, not the initial factors; `init`
-only checks it.
-
-KerasHub adapter files (`backbone.save_lora_weights`, `*.lora.h5`) hold one rank and, per
-LoRA-enabled layer, its factors under the layer's index among the backbone's layers that own
-weights (`_flatten_layers` order): `lora/vars/rank`, `lora/<idx>/vars/lora_kernel_{a,b}`.
-`save_keras_lora` / `load_keras_lora` move adapters both ways; KerasHub does not store alpha, so a
-non-default alpha is folded into B on export. KerasHub's `load_lora_weights` fills the layers its
-own `enable_lora(rank)` enabled (query/value by default), so adapters with other targets need
-`enable_lora(rank, target_layer_names=[...])` on the Keras side first.
+LoRA has no dropout either). `alpha` scales the update in `merge`, not the initial factors.
 """
 from __future__ import annotations
 
 import math
-import os
 import re
 
 import jax
@@ -47,6 +43,48 @@ from jaxlm.tree import flatten, unflatten
 
 DEFAULT_TARGETS = ("(.*/)?(query|value)/kernel",)
 FACTORS = ("lora_a", "lora_b")
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Adapters(dict):
+    """A nested dict of LoRA factors that also knows its `rank`, `alpha` and `targets`.
+
+    Leaves are the factors only; the description is pytree aux data, so trees mapped from an
+    `Adapters` (gradients, Adam moments, shardings, ShapeDtypeStructs) are `Adapters` with the
+    same description. `scale` = alpha / rank is what `merge` multiplies A @ B by.
+    """
+
+    def __init__(self, factors=(), *, rank: int, alpha: float | None = None, targets=DEFAULT_TARGETS):
+        super().__init__(factors)
+        self.rank = int(rank)
+        self.alpha = float(self.rank if alpha is None else alpha)
+        self.targets = tuple(targets)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def describe(self) -> dict:
+        """The description as JSON-ready data (what `jaxlm.lora.save` writes beside the factors)."""
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
+
+    def with_factors(self, factors) -> "Adapters":
+        """The same description over other factors (a plain nested dict of the same shape)."""
+        return Adapters(factors, rank=self.rank, alpha=self.alpha, targets=self.targets)
+
+    def __repr__(self):
+        return (f"Adapters(rank={self.rank}, alpha={self.alpha:g}, targets={self.targets}, "
+                f"{dict.__repr__(self)})")
+
+    def tree_flatten_with_keys(self):
+        keys = tuple(sorted(self))
+        return ([(jax.tree_util.DictKey(k), self[k]) for k in keys],
+                (keys, self.rank, self.alpha, self.targets))
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        keys, rank, alpha, targets = aux
+        return cls(zip(keys, children), rank=rank, alpha=alpha, targets=targets)
 
 
 def find_targets(params: dict, targets=None) -> list[str]:
@@ -73,16 +111,19 @@ def find_targets(params: dict, targets=None) -> list[str]:
     return sorted(found)
 
 
-def _he_uniform(key, shape) -> jax.Array:
+def _he_uniform(key, shape, dtype) -> jax.Array:
     """Keras `he_uniform` with Keras fans: fan_in = shape[-2] * prod(shape[:-2])."""
     fan_in = shape[-2] * math.prod(shape[:-2])
     limit = math.sqrt(6.0 / fan_in)
-    return jax.random.uniform(key, shape, jnp.float32, -limit, limit)
+    return jax.random.uniform(key, shape, jnp.float32, -limit, limit).astype(dtype)
 
 
-def init(params: dict, rank: int, *, key, alpha=None, targets=None, dropout: float = 0.0) -> dict:
-    """-> adapters {P: {"lora_a": [*K[:-1], r], "lora_b": [r, K[-1]]}} per target kernel P/kernel.
+def init(params: dict, rank: int, *, key, alpha=None, targets=None, dropout: float = 0.0,
+         dtype="float32") -> Adapters:
+    """-> Adapters {P: {"lora_a": [*K[:-1], r], "lora_b": [r, K[-1]]}} per target kernel P/kernel.
 
+    alpha: None means alpha = rank (scale 1, KerasHub's default). dtype: the factors' dtype --
+    the trainable (master) dtype of the precision policy, float32 unless asked otherwise.
     params may be abstract (ShapeDtypeStructs): only shapes are read, so
     `jax.jit(lambda k: init(abstract, r, key=k), out_shardings=...)` creates adapters in place.
     """
@@ -90,16 +131,18 @@ def init(params: dict, rank: int, *, key, alpha=None, targets=None, dropout: flo
     if dropout:
         raise UserError(f"LoRA dropout={dropout} is not supported: merged weights cannot drop "
                         "the layer input; use dropout=0 (KerasHub's LoRA has none either)")
+    targets = DEFAULT_TARGETS if targets is None else (targets,) if isinstance(targets, str) else targets
     paths = find_targets(params, targets)
     flat = flatten(params)
     keys = jax.random.split(key, len(paths))
+    dtype = jnp.dtype(dtype)
     out = {}
     for k, path in zip(keys, paths):
         shape = tuple(flat[path].shape)
         parent = path[: -len("/kernel")]
-        out[f"{parent}/lora_a"] = _he_uniform(k, shape[:-1] + (rank,))
-        out[f"{parent}/lora_b"] = jnp.zeros((rank, shape[-1]), jnp.float32)
-    return unflatten(out)
+        out[f"{parent}/lora_a"] = _he_uniform(k, shape[:-1] + (rank,), dtype)
+        out[f"{parent}/lora_b"] = jnp.zeros((rank, shape[-1]), dtype)
+    return Adapters(unflatten(out), rank=rank, alpha=alpha, targets=targets)
 
 
 def _check(rank, alpha=None) -> None:
@@ -109,22 +152,22 @@ def _check(rank, alpha=None) -> None:
         raise UserError(f"LoRA alpha must be > 0 (or None for alpha = rank), got {alpha!r}")
 
 
-def _pairs(adapters: dict) -> dict:
+def pairs(adapters: dict) -> dict:
     """{P: (lora_a, lora_b)} from an adapter tree, checking it is well formed."""
     flat = flatten(adapters)
-    pairs = {}
+    out = {}
     for path in flat:
         parent, _, name = path.rpartition("/")
         if name not in FACTORS:
             raise UserError(f"{path} is not a LoRA factor (lora_a or lora_b); pass the tree "
                             "made by jaxlm.lora.init or load_keras_lora")
-        pairs[parent] = ()
-    for parent in pairs:
+        out[parent] = ()
+    for parent in out:
         a, b = flat.get(f"{parent}/lora_a"), flat.get(f"{parent}/lora_b")
         if a is None or b is None:
             raise UserError(f"adapter {parent} lacks lora_a or lora_b; the tree is incomplete")
-        pairs[parent] = (a, b)
-    return pairs
+        out[parent] = (a, b)
+    return out
 
 
 def _update(path: str, kernel, a, b, alpha, sign: float):
@@ -139,8 +182,9 @@ def _update(path: str, kernel, a, b, alpha, sign: float):
 
 
 def _apply(params: dict, adapters: dict, alpha, sign: float) -> dict:
+    alpha = alpha if alpha is not None else getattr(adapters, "alpha", None)
     flat = flatten(params)
-    for parent, (a, b) in _pairs(adapters).items():
+    for parent, (a, b) in pairs(adapters).items():
         path = f"{parent}/kernel"
         if path not in flat:
             raise UserError(f"adapters have {parent} but the parameters have no {path}; "
@@ -152,8 +196,9 @@ def _apply(params: dict, adapters: dict, alpha, sign: float) -> dict:
 def merge(params: dict, adapters: dict, *, alpha=None) -> dict:
     """-> params with W + (alpha / r) * A @ B at each adapted kernel, in W's dtype.
 
-    alpha None means alpha = r (scale 1, KerasHub's default). Untargeted leaves are the same
-    objects. Pure and jit-friendly.
+    alpha: None reads the adapters' own (`Adapters.alpha`; alpha = r for a plain dict of
+    factors); a number overrides it. Untargeted leaves are the same objects. Pure and
+    jit-friendly.
     """
     return _apply(params, adapters, alpha, 1.0)
 
@@ -174,123 +219,3 @@ def trainable_count(params: dict, rank: int, targets=None) -> int:
     flat = flatten(params)
     return sum(math.prod(flat[p].shape[:-1]) * rank + rank * flat[p].shape[-1]
                for p in find_targets(params, targets))
-
-
-# --- KerasHub .lora.h5 ----------------------------------------------------------------------
-
-def keras_lora_supported(config) -> bool:
-    """Whether `.lora.h5` import/export knows this config's KerasHub layer order."""
-    try:
-        keras_layers(config)
-    except UserError:
-        return False
-    return True
-
-
-def keras_layers(config) -> list[str]:
-    """Paths of the backbone's layers that own weights, in KerasHub `_flatten_layers` order.
-
-    A layer's index in this list is its `<idx>` in a `.lora.h5` file (checked live against
-    KerasHub's `layer.path`s in tests/test_lora.py).
-    """
-    family = getattr(config, "family", None)
-    if family == "gemma":
-        if config.use_post_attention_norm or config.use_post_ffw_norm:
-            raise UserError("KerasHub .lora.h5 layer order is known for Gemma 1 only; "
-                            "this config has Gemma 2 post-norms")
-        out = ["token_embedding"]
-        for i in range(config.num_layers):
-            b = f"decoder_block_{i}"
-            out += [b, f"{b}/ffw_linear", f"{b}/ffw_gating_2", f"{b}/ffw_gating",
-                    f"{b}/pre_ffw_norm", f"{b}/attention"]
-            out += [f"{b}/attention/{n}" for n in ("attention_output", "value", "key", "query")]
-            out.append(f"{b}/pre_attention_norm")
-        return out + ["final_normalization"]
-    if family == "roberta":
-        out = ["embeddings", "embeddings/position_embedding", "embeddings/token_embedding",
-               "embeddings_layer_norm"]
-        for i in range(config.num_layers):
-            t = f"transformer_layer_{i}"
-            out += [t, f"{t}/feedforward_output_dense", f"{t}/feedforward_intermediate_dense",
-                    f"{t}/feedforward_layer_norm", f"{t}/self_attention_layer_norm",
-                    f"{t}/self_attention_layer"]
-            out += [f"{t}/self_attention_layer/{n}"
-                    for n in ("attention_output", "value", "key", "query")]
-        return out
-    raise UserError(f"no KerasHub LoRA layer order for model family {family!r}")
-
-
-def _lora_path(path: str) -> None:
-    if not str(path).endswith(".lora.h5"):
-        raise UserError(f"{path}: KerasHub adapter files must end in .lora.h5; rename it")
-
-
-def save_keras_lora(path: str, adapters: dict, config, *, alpha=None) -> None:
-    """Write adapters as KerasHub `save_lora_weights` does (load with `load_lora_weights`).
-
-    config: the model's config (or the model). alpha: the alpha used with `merge`; folded into
-    B because KerasHub always scales by 1.
-    """
-    import h5py
-    _lora_path(path)
-    config = getattr(config, "config", config)
-    index = {p: i for i, p in enumerate(keras_layers(config))}
-    pairs = _pairs(adapters)
-    ranks = {a.shape[-1] for a, _ in pairs.values()}
-    if len(ranks) != 1:
-        raise UserError(f"adapters have ranks {sorted(ranks)}; a .lora.h5 file holds one rank")
-    rank = ranks.pop()
-    _check(rank, alpha)
-    scale = 1.0 if alpha is None else alpha / rank
-    missing = [p for p in pairs if p not in index]
-    if missing:
-        raise UserError(f"adapter {missing[0]} is not a KerasHub backbone layer; "
-                        "only backbone layers can be written to .lora.h5")
-    with h5py.File(path, "w") as f:
-        f.create_group("lora/vars").create_dataset("rank", data=np.int64(rank))
-        for parent, (a, b) in sorted(pairs.items(), key=lambda kv: index[kv[0]]):
-            g = f.create_group(f"lora/{index[parent]}/vars")
-            g.create_dataset("lora_kernel_a", data=np.asarray(a, np.float32))
-            g.create_dataset("lora_kernel_b", data=np.asarray(b, np.float32) * np.float32(scale))
-
-
-def load_keras_lora(path: str, config, params: dict | None = None) -> dict:
-    """Read a KerasHub `.lora.h5` -> adapters (float32), for `merge` with alpha=None.
-
-    config: the model's config (or the model). params (arrays or abstract), if given, are used
-    to check every factor's shape against its kernel.
-    """
-    import h5py
-    _lora_path(path)
-    if not os.path.isfile(path):
-        raise UserError(f"{path} does not exist")
-    config = getattr(config, "config", config)
-    layers = keras_layers(config)
-    kernels = flatten(params) if params is not None else None
-    out = {}
-    with h5py.File(path, "r") as f:
-        if "lora/vars/rank" not in f:
-            raise UserError(f"{path} has no lora/vars/rank; it is not a KerasHub LoRA file")
-        rank = int(f["lora/vars/rank"][()])
-        for idx in sorted((k for k in f["lora"] if k != "vars"), key=int):
-            if int(idx) >= len(layers):
-                raise UserError(f"{path} has layer index {idx} but this model has "
-                                f"{len(layers)} weighted layers; it belongs to another model")
-            parent, g = layers[int(idx)], f[f"lora/{idx}/vars"]
-            a = np.asarray(g["lora_kernel_a"], np.float32)
-            b = np.asarray(g["lora_kernel_b"], np.float32)
-            if a.shape[-1] != rank or b.shape[0] != rank:
-                raise UserError(f"{path}: layer {idx} factors {a.shape}, {b.shape} disagree with "
-                                f"rank {rank}; the file is corrupt")
-            if kernels is not None:
-                kernel = kernels.get(f"{parent}/kernel")
-                if kernel is None:
-                    raise UserError(f"{path}: layer {idx} maps to {parent}, which has no kernel")
-                if a.shape[:-1] != tuple(kernel.shape[:-1]) or b.shape[-1] != kernel.shape[-1]:
-                    raise UserError(f"{path}: {parent} factors {a.shape}, {b.shape} do not fit "
-                                    f"kernel {tuple(kernel.shape)}; it belongs to another model")
-            out[f"{parent}/lora_a"] = jnp.asarray(a)
-            out[f"{parent}/lora_b"] = jnp.asarray(b)
-    if not out:
-        raise UserError(f"{path} holds no adapters")
-    return unflatten(out)
