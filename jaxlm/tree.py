@@ -26,6 +26,14 @@ def place_streamed(abstract: dict, fetch: Callable, placement=None, mismatch: Ca
     return unflatten(flat)
 
 
+def map_with_path(fn: Callable, tree):
+    """`fn(path, leaf)` over every leaf, keeping the tree's structure (node types and their
+    static data, e.g. `jaxlm.lora.Adapters`' description), so the result lines up with `tree`
+    wherever jax compares structures (optax masks, jit shardings, device_put)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, leaf: fn(jax.tree_util.keystr(kp, simple=True, separator="/"), leaf), tree)
+
+
 def flatten(tree: dict, prefix: str = "") -> dict:
     """Nested dict -> {"a/b/c": leaf}."""
     out = {}

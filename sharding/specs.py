@@ -10,7 +10,9 @@ before anything is allocated:
 
 LoRA adapters live in their own tree (`jaxlm.lora`); `adapter_specs` gives each factor its
 kernel's layout: `lora_a` [..., r] keeps kernel_spec[:-1] and replicates r, `lora_b` [r, out]
-keeps kernel_spec[-1].
+keeps kernel_spec[-1]. Every tree returned here has the structure of the tree passed in (jax
+key paths, not a rebuilt dict), so specs of an adapter tree line up with it in `jit` and
+`device_put` whatever dict-like pytree it is.
 """
 from __future__ import annotations
 
@@ -18,30 +20,26 @@ import logging
 import math
 import re
 
+import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 log = logging.getLogger("sharding")
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}/"))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+def _path(keypath) -> str:
+    """A jax key path -> "a/b/kernel" (dict keys joined by "/")."""
+    return jax.tree_util.keystr(keypath, simple=True, separator="/")
 
 
-def _unflatten(flat: dict) -> dict:
-    out: dict = {}
-    for key, v in flat.items():
-        node = out
-        *parents, leaf = key.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = v
-    return out
+def _leaves(tree) -> dict:
+    """{path: leaf} in the tree's own order (dicts and dict-like pytrees such as LoRA adapters)."""
+    return {_path(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _like(tree, by_path: dict):
+    """`tree` with each leaf replaced by by_path[its path]: the same pytree structure (node
+    types and their static data included), so the result lines up with `tree` in jit/device_put."""
+    return jax.tree_util.tree_map_with_path(lambda kp, _: by_path[_path(kp)], tree)
 
 
 def _compile(rules) -> list:
@@ -120,7 +118,7 @@ def partition_specs(params: dict, rules, mesh=None) -> dict:
     With `mesh`, axis names are checked and non-dividing dims replicated (one warning line).
     """
     compiled = _compile(rules)
-    flat = _flatten(params)
+    flat = _leaves(params)
     used = [False] * len(compiled)
     out, dropped = {}, []
     for path, leaf in flat.items():
@@ -137,7 +135,7 @@ def partition_specs(params: dict, rules, mesh=None) -> dict:
                              f"like {example!r}); fix the regex or remove the rule")
     if dropped:
         _warn(dropped)
-    return _unflatten(out)
+    return _like(params, out)
 
 
 def adapter_specs(adapters: dict, param_specs: dict, mesh=None) -> dict:
@@ -146,9 +144,9 @@ def adapter_specs(adapters: dict, param_specs: dict, mesh=None) -> dict:
 
     param_specs: `partition_specs(params, rules, mesh)` of the model the adapters belong to.
     """
-    specs = _flatten(param_specs)
+    specs = _leaves(param_specs)
     out, dropped = {}, []
-    for path, leaf in _flatten(adapters).items():
+    for path, leaf in _leaves(adapters).items():
         parent, _, name = path.rpartition("/")
         if name not in ("lora_a", "lora_b"):
             raise ValueError(f"{path} is not a LoRA factor (lora_a or lora_b); pass the tree "
@@ -169,11 +167,11 @@ def adapter_specs(adapters: dict, param_specs: dict, mesh=None) -> dict:
         out[path] = _spec(_fit(entries, shape, mesh, path, dropped))
     if dropped:
         _warn(dropped, "adapter ")
-    return _unflatten(out)
+    return _like(adapters, out)
 
 
 def _named(specs: dict, mesh) -> dict:
-    return _unflatten({p: NamedSharding(mesh, s) for p, s in _flatten(specs).items()})
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
 
 def named_shardings(params: dict, rules, mesh) -> dict:
@@ -224,7 +222,7 @@ def format_sharding(params: dict, prefix: str = "") -> str:
 
     prefix: only paths starting with it (e.g. "decoder_block_1/", as the seed lists).
     """
-    flat = {p: v for p, v in _flatten(params).items() if p.startswith(prefix)}
+    flat = {p: v for p, v in _leaves(params).items() if p.startswith(prefix)}
     if not flat:
         return ""
     width = max(len(p) for p in flat)
