@@ -4,8 +4,9 @@
                                 [--attention=xla,cudnn] [--layers=scan,unrolled]
     python bench/accelerator.py --smoke        # tiny config, runs anywhere (CPU) in a minute
 
-Random weights (no download), bfloat16, sequence 2048:
-  1. full fine-tuning and LoRA (rank 4) steps of `jaxlm.train.step.make_train_step`, sharded
+Random weights (no download), bfloat16 compute over float32 master weights (train.py's
+accelerator policy; the LoRA base frozen in bfloat16), sequence 2048:
+  1. full fine-tuning and LoRA (rank 4) steps built by `jaxlm.train.trainer.build`, sharded
      by the layout rules on the host's devices: tokens/s and MFU = model FLOPs (see
      `bench.common.model_flops_per_token`) / (devices x the chip's bf16 peak); once per
      `--attention` kind (`GemmaConfig.attention`: "cudnn" is the fused kernel, NVIDIA only)
@@ -44,41 +45,32 @@ import numpy as np  # noqa: E402
 import jaxlm  # noqa: E402
 import sharding  # noqa: E402
 from bench.common import chip_peak, matmul_peak, median, model_flops_per_token, timed  # noqa: E402
-from jaxlm import decode, lora  # noqa: E402
-from jaxlm.train import optim  # noqa: E402
+from jaxlm import decode, precision  # noqa: E402
+from jaxlm.train import optim, trainer  # noqa: E402
 from jaxlm.train.loss import lm_loss_fn  # noqa: E402
-from jaxlm.train.step import (init_state, make_train_step, micro_batch_sharding,  # noqa: E402
-                              shardings_of)
 
 
 def train_throughput(preset, dtype, mesh, *, lora_rank, batch_size, seq, steps, remat,
                      attention="xla", scan_layers=True, profile_dir=None, seed=0):
-    """-> (tokens/s, seconds per step, model config) of a warmed-up, synced train step."""
-    model, _ = jaxlm.load(preset, dtype, abstract=True)
+    """-> (tokens/s, seconds per step, model config) of a warmed-up, synced train step.
+
+    dtype is the compute dtype; the weights follow train.py's precision policy: float32 master
+    weights and moments, and under LoRA a frozen base stored in the compute dtype."""
+    policy = precision.resolve(compute_dtype=dtype)
+    stored = policy.frozen if lora_rank else policy.param
+    model, _ = jaxlm.load(preset, policy.compute, abstract=True, param_dtype=stored)
     rules = sharding.rules_for(model.config)
-    model, params = jaxlm.load(preset, dtype, placement=sharding.placement(mesh, rules, quiet=True),
-                               seed=seed)
+    model, params = jaxlm.load(preset, policy.compute, param_dtype=stored,
+                               placement=sharding.placement(mesh, rules, quiet=True), seed=seed)
     model = type(model)(model.config.replace(remat=remat, attention=attention,
                                              scan_layers=scan_layers))
     optimizer = optim.make_optimizer(optim.OptimConfig())
-    if lora_rank:
-        specs = sharding.adapter_specs(
-            jax.eval_shape(lambda: lora.init(params, lora_rank, key=jax.random.key(seed))),
-            sharding.partition_specs(params, rules, mesh), mesh)
-        out = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs,
-                           is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-        trainable = jax.jit(lambda k: lora.init(params, lora_rank, key=k), out_shardings=out)(
-            jax.random.key(seed))
-        frozen, merge = params, lora.merge
-    else:
-        trainable, frozen, merge = params, None, None
-    state = init_state(trainable, optimizer, seed, mesh)
-    trainable = params = None  # the state owns them (donated to every step)
-    batch_shd = micro_batch_sharding(mesh)
-    step = make_train_step(lm_loss_fn(model), optimizer, merge=merge,
-                           state_shardings=shardings_of(state),
-                           frozen_shardings=None if frozen is None else shardings_of(frozen),
-                           batch_shardings=batch_shd, mesh=mesh)
+    built = trainer.build(params, mesh, param_specs=sharding.partition_specs(params, rules, mesh),
+                          loss_fn=lm_loss_fn(model), optimizer=optimizer,
+                          lora=trainer.LoraSpec(lora_rank) if lora_rank else None,
+                          trainable_dtype=policy.param, seed=seed)
+    state, frozen, step, batch_shd = built.state, built.frozen, built.step, built.batch_sharding
+    params = built = None  # the state owns them (donated to every step)
     rng = np.random.RandomState(seed)
     ids = rng.randint(3, model.config.vocab_size, (batch_size, seq + 1)).astype(np.int32)
     batch = jax.device_put({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}, batch_shd)

@@ -48,7 +48,8 @@ import jaxlm  # noqa: E402
 from jaxlm import lora  # noqa: E402
 from jaxlm.train import optim  # noqa: E402
 from jaxlm.train.loss import lm_loss_fn  # noqa: E402
-from jaxlm.train.step import init_state, make_train_step  # noqa: E402
+from jaxlm.train.step import make_train_step  # noqa: E402
+from jaxlm.train.trainer import init_state  # noqa: E402
 from bench.common import allocator_line, host_line, matmul_peak, model_flops_per_token, timed  # noqa: E402
 
 

@@ -11,6 +11,14 @@ float and mapped onto the same tree (jaxlm/convert/gguf.py).
 
 `placement(path, shape) -> Sharding` puts each tensor straight onto its device(s) as it is read
 or created; without it, tensors land on the default device.
+
+Two dtypes: `dtype` is the compute dtype (the model config's), `param_dtype` the one the
+parameters are stored in (default: the same). A trainer keeps float32 master weights under
+bfloat16 compute by asking for `dtype="bfloat16", param_dtype="float32"` (`jaxlm.precision`);
+the models cast each weight to the compute dtype where they use it.
+
+Paths may be local or URLs (`gs://...`, through `jaxlm.storage`); a `.gguf` file on a URL is
+copied to a local temporary file first (llama.cpp's reader memory-maps it).
 """
 from __future__ import annotations
 
@@ -22,7 +30,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxlm import families
+from jaxlm import families, precision, storage
 from jaxlm.convert import keras_preset
 from jaxlm.errors import UserError
 from jaxlm.tree import flatten, place_streamed, unflatten
@@ -39,20 +47,19 @@ def default_dtype() -> str:
 def resolve(path: str, dtype: str | None = None):
     """-> (kind, family, config) without reading weights; kind in {"preset", "keras", "jaxlm", "gguf"}."""
     path = os.fspath(path)
-    dtype = str(jnp.dtype(dtype)) if dtype is not None else default_dtype()
+    dtype = precision.check_dtype(dtype, "dtype") or default_dtype()
     gguf_file = find_gguf(path)
     if gguf_file is not None:
         from jaxlm.convert import gguf
         family = families.by_name("gemma")
-        kwargs = gguf.config_kwargs(gguf.open_reader(gguf_file))
+        with storage.local(gguf_file) as local_path:
+            kwargs = gguf.config_kwargs(gguf.open_reader(local_path))
         return "gguf", family, family.config_cls(**kwargs, dtype=dtype)
-    if os.path.isdir(path):
-        if os.path.exists(os.path.join(path, FOLDER_META)):
-            with open(os.path.join(path, FOLDER_META)) as f:
-                meta = json.load(f)
-            family = families.by_name(meta["family"])
-            return "jaxlm", family, family.config_cls(**{**meta["config"], "dtype": dtype})
-        if os.path.exists(os.path.join(path, "config.json")):
+    if storage.isdir(path):
+        if storage.exists(storage.join(path, FOLDER_META)):
+            family, config = _folder_config(path)
+            return "jaxlm", family, config.replace(dtype=dtype)
+        if storage.exists(storage.join(path, "config.json")):
             family, config = keras_preset.read_config(path)
             return "keras", family, config.replace(dtype=dtype)
         raise UserError(f"{path} is neither a Keras preset folder (no config.json) nor a jaxlm "
@@ -61,7 +68,7 @@ def resolve(path: str, dtype: str | None = None):
     if found is not None:
         family, config = found
         return "preset", family, config.replace(dtype=dtype)
-    if os.path.exists(path):
+    if storage.exists(path):
         raise UserError(f"{path} is a file; pass the preset folder that contains it "
                         "(or weights=FILE for a fine-tuned .weights.h5)")
     raise UserError(f"{path} does not exist and is not a built-in preset; "
@@ -71,16 +78,30 @@ def resolve(path: str, dtype: str | None = None):
 def find_gguf(path: str) -> str | None:
     """The .gguf file `path` names, or the single one inside folder `path`; else None."""
     if path.endswith(".gguf"):
-        if not os.path.exists(path):
+        if not storage.exists(path):
             raise UserError(f"GGUF file {path} does not exist")
         return path
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
-        found = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    if storage.isdir(path) and not storage.exists(storage.join(path, "config.json")):
+        found = [f for f in storage.listdir(path) if f.endswith(".gguf")]
         if len(found) > 1:
             raise UserError(f"{path} holds several .gguf files ({', '.join(found)}); pass one of them")
         if found:
-            return os.path.join(path, found[0])
+            return storage.join(path, found[0])
     return None
+
+
+def _folder_config(path: str):
+    """(family, config) from a jaxlm folder's jaxlm.json, or one line saying what is wrong."""
+    meta_path = storage.join(path, FOLDER_META)
+    try:
+        meta = json.loads(storage.read_text(meta_path))
+        family = families.by_name(meta["family"])
+        return family, family.config_cls(**meta["config"])
+    except (ValueError, KeyError, TypeError) as e:
+        if isinstance(e, UserError):
+            raise
+        raise UserError(f"{meta_path} is damaged ({type(e).__name__}: {e}); convert the model "
+                        "again or restore the file") from None
 
 
 def abstract_params(module, config) -> dict:
@@ -91,10 +112,15 @@ def abstract_params(module, config) -> dict:
 
 
 def load(path: str, dtype: str | None = None, abstract: bool = False, *,
-         weights: str | None = None, placement: Placement | None = None, seed: int = 0):
+         weights: str | None = None, placement: Placement | None = None, seed: int = 0,
+         param_dtype: str | None = None):
     """-> (model, params). See the module docstring for what `path` may be.
 
-    dtype: parameter and compute dtype (default: float32 on CPU, bfloat16 on accelerators).
+    dtype: compute dtype, and the parameters' unless `param_dtype` is given (default: float32
+      on CPU, bfloat16 on accelerators).
+    param_dtype: the dtype parameters are stored in (e.g. float32 master weights for training
+      under bfloat16 compute). Parameters the model keeps in float32 anyway (norm scales) stay
+      float32.
     abstract: return `jax.ShapeDtypeStruct` leaves; nothing is read or allocated.
     weights: a `.weights.h5` written by Keras `save_weights` (backbone- or task-level) whose
       tensors replace the preset's, e.g. a fine-tuned GemmaCausalLM on top of its preset.
@@ -103,7 +129,10 @@ def load(path: str, dtype: str | None = None, abstract: bool = False, *,
     path = os.fspath(path)
     kind, family, config = resolve(path, dtype)
     model = family.module_cls(config)
-    shapes = abstract_params(model, config)
+    # Parameters are created/read as a model of the storage dtype would hold them.
+    storage_model = model if param_dtype is None else family.module_cls(
+        config.replace(dtype=precision.check_dtype(param_dtype, "param_dtype")))
+    shapes = abstract_params(storage_model, storage_model.config)
     if abstract:
         if placement is not None:
             shapes = {p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement(p, s.shape))
@@ -119,7 +148,7 @@ def load(path: str, dtype: str | None = None, abstract: bool = False, *,
             # A backbone-only preset: KerasHub's task from_preset initialises the head; so do we.
             print(f"warning: {path} has no task.weights.h5; {len(task)} task weights "
                   f"({sorted(task)[0]}, …) are randomly initialised", file=sys.stderr)
-            fresh = flatten(init_params(model, shapes, placement, seed))
+            fresh = flatten(init_params(storage_model, shapes, placement, seed))
             params = flatten(keras_preset.read_params(
                 family, config, files, {p: s for p, s in shapes.items() if p not in task}, placement))
             params = unflatten({**params, **{p: fresh[p] for p in task}})
@@ -130,7 +159,7 @@ def load(path: str, dtype: str | None = None, abstract: bool = False, *,
     elif kind == "gguf":
         params = _read_gguf_params(find_gguf(path), config, shapes, placement)
     else:
-        params = init_params(model, shapes, placement, seed)
+        params = init_params(storage_model, shapes, placement, seed)
     return model, params
 
 
@@ -148,23 +177,24 @@ def save(out_dir: str, model, params: dict, tokenizer=None) -> None:
     """Write a jaxlm folder (see module docstring). Overwrites `params/` atomically via orbax."""
     import orbax.checkpoint as ocp
     family = families.by_config(model.config)
-    os.makedirs(out_dir, exist_ok=True)
-    ckpt = os.path.join(os.path.abspath(out_dir), "params")
+    storage.makedirs(out_dir)
+    ckpt = storage.absolute(storage.join(out_dir, "params"))
     with ocp.StandardCheckpointer() as ckptr:  # collective: every host writes its shards
         ckptr.save(ckpt, params, force=True)
     if jax.process_index() != 0:  # the plain files once, from one host
         return
     config = model.config.to_dict()
-    with open(os.path.join(out_dir, FOLDER_META), "w") as f:
-        json.dump({"family": family.name, "config": config, "format": 1}, f, indent=2)
+    storage.write_text(storage.join(out_dir, FOLDER_META),
+                       json.dumps({"family": family.name, "config": config, "format": 1}, indent=2))
     if tokenizer is not None:
-        tokenizer.save(os.path.join(out_dir, "tokenizer"))
+        tokenizer.save(storage.join(out_dir, "tokenizer"))
 
 
 def _read_gguf_params(path: str, config, shapes: dict, placement: Placement | None) -> dict:
     from jaxlm.convert import gguf
-    flat = gguf.read_params(gguf.open_reader(path), config.num_layers, config.num_heads,
-                            config.num_kv_heads, config.head_dim)
+    with storage.local(path) as local_path:
+        flat = gguf.read_params(gguf.open_reader(local_path), config.num_layers, config.num_heads,
+                                config.num_kv_heads, config.head_dim)
     if set(flat) != set(shapes):
         missing, extra = sorted(set(shapes) - set(flat)), sorted(set(flat) - set(shapes))
         raise UserError(f"{path} does not match its own metadata (missing {missing[:3]}, "
@@ -176,8 +206,8 @@ def _read_gguf_params(path: str, config, shapes: dict, placement: Placement | No
 
 def _restore_folder_params(path: str, shapes: dict, placement: Placement | None) -> dict:
     import orbax.checkpoint as ocp
-    ckpt = os.path.join(os.path.abspath(path), "params")
-    if not os.path.isdir(ckpt):
+    ckpt = storage.absolute(storage.join(path, "params"))
+    if not storage.isdir(ckpt):
         raise UserError(f"{path} has no params/ checkpoint; convert the model again")
     if placement is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -16,53 +16,77 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+import jaxlm
+import sharding
+from jaxlm import checkpoint, distributed, families, loading, precision, shards, storage
+from jaxlm.data.mlm import Readers, masking_for, prefetch
 from jaxlm.errors import UserError, cli
+from jaxlm.train import flags, loop, optim, trainer
+from jaxlm.train.step import make_eval_step
+from models.roberta import Roberta, RobertaConfig
 
 NO_DECAY = ("bias", "gamma", "beta")  # biases and LayerNorm (the blog's exclude list)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python train.py --task=mlm", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = flags.ArgumentParser(prog="python train.py --task=mlm", description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter,
+                             allow_abbrev=False)
+    flags.add_shared(p, {"layout": "data", "epochs": 1.0, "learning_rate": 1e-4,
+                         "weight_decay": 1e-3, "seed": 0, "out": "runs/mlm", "save_every": 0,
+                         "keep": 3, "log_every": 10}, helps={
+        "mesh": "DxM devices (default: all devices on batch, Nx1)",
+        "layout": "RoBERTa sharding table: data | model",
+        "steps": "total steps (default: --epochs of the training shards)",
+        "batch_size": "global batch (default: 8 per data replica, the blog's)",
+        "warmup_steps": "linear warmup steps (default: --warmup_fraction of the steps)"},
+        aliases={"epochs": ("num_epochs",)})
     p.add_argument("--preset", default="roberta_base_en",
                    help="built-in preset name (from scratch), Keras preset or jaxlm folder")
     p.add_argument("--tokenizer", required=True, help="tokenizer folder (python -m jaxlm.tokenizer train)")
     p.add_argument("--data", required=True, help="shard folder (python -m jaxlm.shards), local or gs://")
-    p.add_argument("--mesh", default=None, help="DxM devices (default: all devices on batch, Nx1)")
-    p.add_argument("--layout", default="data", help="RoBERTa sharding table: data | model")
-    p.add_argument("--per_replica_batch_size", type=int, default=8)
+    p.add_argument("--per_replica_batch_size", type=int, default=None,
+                   help="the blog's spelling of the batch: rows per data replica (default 8)")
     p.add_argument("--max_length", type=int, default=512, help="must equal the shards' length")
-    p.add_argument("--num_epochs", type=float, default=1.0)
-    p.add_argument("--steps", type=int, default=0, help="total steps (overrides --num_epochs)")
-    p.add_argument("--learning_rate", type=float, default=1e-4)
-    p.add_argument("--weight_decay", type=float, default=1e-3)
-    p.add_argument("--warmup_fraction", type=float, default=0.05)
+    p.add_argument("--warmup_fraction", type=float, default=None,
+                   help="warmup as a fraction of the steps (default 0.05, the blog's)")
     p.add_argument("--mlm_probability", type=float, default=0.15)
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--bfloat16", action="store_true", help="bfloat16 compute, float32 parameters")
+    p.add_argument("--bfloat16", action="store_true",
+                   help="the blog's mixed_bfloat16: --compute_dtype=bfloat16 (float32 parameters)")
     p.add_argument("--shuffle_buffer", type=int, default=1 << 16, help="rows (blog: 2**18)")
     p.add_argument("--eval_every", type=int, default=0, help="validate every N steps (0: at the end)")
     p.add_argument("--eval_batches", type=int, default=0, help="cap on validation batches (0: all)")
-    p.add_argument("--log_every", type=int, default=10)
-    p.add_argument("--save_every", type=int, default=0, help="checkpoint every N steps (and at the end)")
-    p.add_argument("--keep", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/mlm")
     p.add_argument("--data_readers", type=int, default=0,
                    help="shard readers the global batch is split over (default: one per host); "
                         "the batches depend on it, not on the number of hosts")
-    from jaxlm import distributed
     distributed.add_flags(p)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    ns = vars(a)
+    flags.check_dtypes(ns)
+    if a.bfloat16:
+        if a.compute_dtype not in (None, "bfloat16") or a.dtype not in (None, "bfloat16"):
+            raise UserError("--bfloat16 means --compute_dtype=bfloat16; drop one of the two")
+        a.compute_dtype = "bfloat16"
+    if a.batch_size is not None and a.per_replica_batch_size is not None:
+        raise UserError("give --batch_size (global) or --per_replica_batch_size, not both")
+    if a.warmup_steps is not None and a.warmup_fraction is not None:
+        raise UserError("give --warmup_steps or --warmup_fraction, not both")
+    for flag in ("batch_size", "per_replica_batch_size", "steps", "max_length", "log_every", "keep"):
+        v = ns.get(flag)
+        if v is not None and v < 1:
+            raise UserError(f"--{flag}={v} must be >= 1")
+    return a
 
 
 def split_dirs(data: str) -> tuple[str, str | None]:
     """(train dir, validation dir or None) from --data."""
-    from jaxlm import shards
     train = shards.join(data, "train")
     if shards.exists(train):
         val = shards.join(data, "validation")
@@ -70,20 +94,14 @@ def split_dirs(data: str) -> tuple[str, str | None]:
     return data, None
 
 
-def decay_mask(params: dict) -> dict:
-    from jaxlm.tree import flatten, unflatten
-    return unflatten({p: not any(n in p.split("/")[-1] for n in NO_DECAY) for p in flatten(params)})
-
-
-def make_optimizer(a, total_steps: int):
-    """AdamW, linear warmup over `warmup_fraction` of the steps, then linear decay to 0."""
-    import optax
-    warmup = int(total_steps * a.warmup_fraction)
-    sched = optax.join_schedules(
-        [optax.linear_schedule(0.0, a.learning_rate, max(warmup, 1)),
-         optax.linear_schedule(a.learning_rate, 0.0, max(total_steps - warmup, 1))], [max(warmup, 1)])
-    return optax.adamw(sched, b1=0.9, b2=0.999, eps=1e-8, weight_decay=a.weight_decay,
-                       mask=decay_mask), sched
+def optimizer_config(a, total_steps: int, mu_dtype: str | None = None):
+    """The blog's AdamW: eps 1e-8, no decay on biases and LayerNorm, linear warmup over
+    `--warmup_steps` (default 5% of the steps) then linear decay to 0, no clipping."""
+    warmup = a.warmup_steps if a.warmup_steps is not None else int(
+        total_steps * (0.05 if a.warmup_fraction is None else a.warmup_fraction))
+    return optim.OptimConfig(learning_rate=a.learning_rate, weight_decay=a.weight_decay,
+                             warmup_steps=warmup, schedule="linear", total_steps=total_steps,
+                             clip_norm=None, eps=1e-8, no_decay=NO_DECAY, mu_dtype=mu_dtype)
 
 
 def mlm_loss_fn(model, deterministic: bool = False):
@@ -91,9 +109,6 @@ def mlm_loss_fn(model, deterministic: bool = False):
 
     The head runs only at `mask_positions` [B, M]: ~85% of the vocabulary projection is skipped.
     """
-    import jax
-    import jax.numpy as jnp
-
     def loss_fn(params, batch, rng):
         rngs = None if deterministic else {"dropout": rng}
         logits = model.apply({"params": params}, batch["token_ids"], batch["padding_mask"],
@@ -108,66 +123,62 @@ def mlm_loss_fn(model, deterministic: bool = False):
     return loss_fn
 
 
-def build_model(a, tokenizer, mesh, rules_layout):
-    """-> (compute model, float32 params placed on the mesh)."""
-    import jaxlm
-    import sharding
-    from jaxlm import families, loading
-    from models.roberta import Roberta, RobertaConfig
-    found = families.preset(a.preset)
+def build_model(preset: str, tokenizer, mesh, layout: str, *, max_length: int, dropout: float,
+                policy: precision.Policy, seed: int = 0):
+    """-> (compute model, parameters in the policy's master dtype, placed on the mesh).
+
+    A built-in preset name is that architecture with the tokenizer's vocabulary, randomly
+    initialised; a Keras preset or jaxlm folder continues from its weights.
+    """
+    found = families.preset(preset)
     try:
         if found is not None:
-            family, cfg = found
+            _, cfg = found
             if not isinstance(cfg, RobertaConfig):
-                raise UserError(f"--preset={a.preset} is not a RoBERTa preset; masked-LM training "
+                raise UserError(f"--preset={preset} is not a RoBERTa preset; masked-LM training "
                                 "needs roberta_base_en, roberta_large_en or roberta_tiny")
-            cfg = cfg.replace(vocab_size=tokenizer.vocab_size, dtype="float32")
-            rules = sharding.rules_for(cfg, rules_layout)
-            model = Roberta(cfg)
-            shapes = loading.abstract_params(model, cfg)
-            params = loading.init_params(model, shapes, sharding.placement(mesh, rules), a.seed)
+            cfg = cfg.replace(vocab_size=tokenizer.vocab_size, dtype=policy.param)
+            rules = sharding.rules_for(cfg, layout)
+            stored = Roberta(cfg)
+            params = loading.init_params(stored, loading.abstract_params(stored, cfg),
+                                         sharding.placement(mesh, rules), seed)
         else:
-            _, family, cfg = loading.resolve(a.preset, "float32")
+            _, _, cfg = loading.resolve(preset, policy.param)
             if not isinstance(cfg, RobertaConfig):
-                raise UserError(f"--preset={a.preset} is not a RoBERTa model")
+                raise UserError(f"--preset={preset} is not a RoBERTa model")
             if cfg.vocab_size < tokenizer.vocab_size:
-                raise UserError(f"{a.preset} has {cfg.vocab_size} token embeddings but the tokenizer "
+                raise UserError(f"{preset} has {cfg.vocab_size} token embeddings but the tokenizer "
                                 f"has {tokenizer.vocab_size} ids; use the model's own tokenizer")
-            rules = sharding.rules_for(cfg, rules_layout)
-            model, params = jaxlm.load(a.preset, "float32", placement=sharding.placement(mesh, rules))
+            rules = sharding.rules_for(cfg, layout)
+            _, params = jaxlm.load(preset, policy.param, placement=sharding.placement(mesh, rules))
     except ValueError as e:
         if isinstance(e, UserError):
             raise
         raise UserError(str(e)) from None
-    if a.max_length > cfg.max_sequence_length:
-        raise UserError(f"--max_length {a.max_length} exceeds the model's {cfg.max_sequence_length} "
+    if max_length > cfg.max_sequence_length:
+        raise UserError(f"--max_length {max_length} exceeds the model's {cfg.max_sequence_length} "
                         "positions; write shorter shards")
-    compute = cfg.replace(dropout=a.dropout, dtype="bfloat16" if a.bfloat16 else "float32")
-    return Roberta(compute), params
+    return Roberta(cfg.replace(dropout=dropout, dtype=policy.compute)), params
 
 
 @cli
 def main(argv: list[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    import jaxlm
-    import sharding
-    from jaxlm import checkpoint, distributed
-    from jaxlm.data.mlm import Readers, masking_for
-    from jaxlm.train import loop
-    from jaxlm.train.step import init_state, make_eval_step, make_train_step, shardings_of
-
     try:
         mesh = sharding.make_mesh(a.mesh or f"{jax.device_count()}x1")
     except ValueError as e:
         raise UserError(str(e)) from None
     replicas = mesh.shape["batch"]
-    global_batch = a.per_replica_batch_size * replicas
+    global_batch = a.batch_size or (a.per_replica_batch_size or 8) * replicas
+    if global_batch % replicas:
+        raise UserError(f"--batch_size={global_batch} is not divisible by the mesh's {replicas} "
+                        "data replicas; use a multiple of it")
     batch_shd = NamedSharding(mesh, P("batch"))
     rows = distributed.local_rows(batch_shd, (global_batch, a.max_length))  # this host's rows
     readers = a.data_readers or jax.process_count()
+    policy = precision.resolve(dtype=a.dtype, param_dtype=a.param_dtype, compute_dtype=a.compute_dtype)
+    for line in precision.warnings(policy, lora=False):
+        print(line, file=sys.stderr)
 
     tokenizer = jaxlm.load_tokenizer(a.tokenizer)
     masking = masking_for(tokenizer, rate=a.mlm_probability)
@@ -177,31 +188,38 @@ def main(argv: list[str] | None = None) -> int:
                      seed=a.seed)
     if jax.process_count() > 1:  # stderr: every host says which shards it reads
         print(f"process {jax.process_index()}/{jax.process_count()} reads {len(stream.files)} "
-              f"train shard(s): {' '.join(os.path.basename(f) for f, _ in stream.files)}",
+              f"train shard(s): {' '.join(storage.basename(f) for f, _ in stream.files)}",
               file=sys.stderr, flush=True)
     first = next(iter(stream.epoch(0)))  # fail now, not after compiling, on bad shards
     del first
-    steps = a.steps or max(1, int(stream.steps_per_epoch * a.num_epochs))
+    steps = a.steps or max(1, int(stream.steps_per_epoch * a.epochs))
 
-    model, params = build_model(a, tokenizer, mesh, a.layout)
-    optimizer, sched = make_optimizer(a, steps)
-    state = init_state(params, optimizer, a.seed, mesh)
+    model, params = build_model(a.preset, tokenizer, mesh, a.layout, max_length=a.max_length,
+                                dropout=a.dropout, policy=policy, seed=a.seed)
+    ocfg = optimizer_config(a, steps, mu_dtype=policy.optimizer)
+    run_ = trainer.build(params, mesh,
+                         param_specs=sharding.partition_specs(params, sharding.rules_for(
+                             model.config, a.layout), mesh),
+                         loss_fn=mlm_loss_fn(model), optimizer=optim.make_optimizer(ocfg),
+                         seed=a.seed)
+    state = run_.state
     del params
     jaxlm.summary(model, state["trainable"])
+    print(f"precision: {policy.describe(lora=False)}")
 
-    os.makedirs(a.out, exist_ok=True)
+    storage.makedirs(a.out)
     fingerprint = {k: v for k, v in vars(a).items()
                    if k in ("preset", "tokenizer", "data", "max_length", "learning_rate",
-                            "weight_decay", "per_replica_batch_size", "seed", "mlm_probability")}
-    fingerprint.update(steps=steps, mesh=f"{replicas}x{mesh.shape['model']}", data_readers=readers)
-    mngr = checkpoint.manager(os.path.join(a.out, "checkpoints"), keep=a.keep)
+                            "weight_decay", "seed", "mlm_probability", "dtype", "param_dtype",
+                            "compute_dtype")}
+    fingerprint.update(steps=steps, mesh=f"{replicas}x{mesh.shape['model']}", data_readers=readers,
+                       batch_size=global_batch, warmup_steps=ocfg.warmup_steps)
+    mngr = checkpoint.manager(storage.join(a.out, "checkpoints"), keep=a.keep)
     restored = checkpoint.resume(mngr, state, fingerprint, a.out)
     if restored is not None:
         state, meta = restored
         print(f"resuming from step {meta['step']} (epoch {meta['epoch']}, batch {meta['batch']})")
 
-    step_fn = make_train_step(mlm_loss_fn(model), optimizer, state_shardings=shardings_of(state),
-                              batch_shardings=batch_shd, mesh=mesh)
     evaluate = make_eval_step(mlm_loss_fn(model, deterministic=True))
 
     def place(local: dict) -> dict:
@@ -231,30 +249,33 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"training {steps} steps of {global_batch} x {a.max_length} tokens "
           f"({stream.steps_per_epoch} steps per epoch) on a {replicas}x{mesh.shape['model']} mesh, "
-          f"peak learning rate {a.learning_rate:g}, warmup {int(steps * a.warmup_fraction)} steps")
+          f"peak learning rate {a.learning_rate:g}, warmup {ocfg.warmup_steps} steps")
     start = int(jax.device_get(state["step"]))
     chunk = a.eval_every or steps
     history = []
+    validations = loop.MetricsFile(storage.join(a.out, "validation.jsonl")) \
+        if val_dir is not None and jax.process_index() == 0 else None
     for stop in list(range(start - start % chunk + chunk, steps, chunk)) + [steps]:
         if stop <= int(jax.device_get(state["step"])):
             continue
-        state, h = loop.run(step_fn, state, None, lambda s: place(batches(s)), num_steps=stop,
+        state, h = loop.run(run_.step, state, None, lambda s: place(batches(s)), num_steps=stop,
                             mngr=mngr, save_every=a.save_every, log_every=a.log_every,
                             meta=lambda s: {"step": s, **batches.position(s), "fingerprint": fingerprint},
                             metrics_path=loop.metrics_file(a.out))
         history += h
         result = validate(stop)
-        if result is not None and jax.process_index() == 0:
-            with open(os.path.join(a.out, "validation.jsonl"), "a") as f:
-                f.write(__import__("json").dumps(result) + "\n")
+        if result is not None and validations is not None:
+            validations.write([result])
+    if validations is not None:
+        validations.close()
     mngr.close()
     if len(history) > 1:
         (s0, m0), (s1, m1) = history[0], history[-1]
         print(f"MLM loss {m0['loss']:.3f} -> {m1['loss']:.3f}, masked-token accuracy "
               f"{m0['accuracy']:.3f} -> {m1['accuracy']:.3f} (steps {s0} -> {s1})")
-    base = dataclasses.replace(model.config, dropout=0.0, dtype="float32")
-    jaxlm.save(os.path.join(a.out, "model"), type(model)(base), state["trainable"], tokenizer)
-    print(f"saved the trained model to {os.path.join(a.out, 'model')} (jaxlm folder)")
+    base = dataclasses.replace(model.config, dropout=0.0, dtype=policy.param)
+    jaxlm.save(storage.join(a.out, "model"), type(model)(base), state["trainable"], tokenizer)
+    print(f"saved the trained model to {storage.join(a.out, 'model')} (jaxlm folder)")
     return 0
 
 
@@ -262,7 +283,6 @@ class _Positioned:
     """`batches(step)` for the loop: the stream re-entered at any step (resume-safe)."""
 
     def __init__(self, stream):
-        from jaxlm.data.mlm import prefetch
         self.stream, self.prefetch = stream, prefetch
         self.next_step, self.it = None, None
 

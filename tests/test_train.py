@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import sharding
 from conftest import ragged_batch
 from jaxlm import lora
-from jaxlm.train import loss as L, optim, step as S
+from jaxlm.train import loss as L, optim, step as S, trainer as T
 from models.gemma import Gemma, PRESETS
 
 CFG = PRESETS["gemma_tiny"].replace(vocab_size=512)
@@ -65,7 +65,7 @@ def _lora_step(model, params, mesh, accum, donate=True, opt=None):
     adapters = jax.device_put(adapters, jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                                                      is_leaf=lambda x: isinstance(x, P)))
     opt = opt or optim.make_optimizer(optim.OptimConfig(learning_rate=1e-2, clip_norm=None))
-    state = S.init_state(adapters, opt, 0, mesh)
+    state = T.init_state(adapters, opt, mesh)
     fn = S.make_train_step(L.lm_loss_fn(Gemma(CFG), chunk_size=8), opt, merge=lora.merge,
                            accum_steps=accum, state_shardings=S.shardings_of(state),
                            frozen_shardings=S.shardings_of(params),
@@ -124,7 +124,7 @@ def test_full_finetune_step(model_params, mesh):
     model, params = model_params
     params = jax.tree.map(jnp.copy, params)  # this state is donated
     opt = optim.make_optimizer(optim.OptimConfig(learning_rate=1e-3))
-    state = S.init_state(params, opt, 0, mesh)
+    state = T.init_state(params, opt, mesh)
     shardings = S.shardings_of(state)
     fn = S.make_train_step(L.lm_loss_fn(model), opt, state_shardings=shardings,
                            batch_shardings=S.micro_batch_sharding(mesh), mesh=mesh)
@@ -148,7 +148,7 @@ def test_bfloat16_and_remat_match_float32(model_params, mesh):
     p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim > 1 else x, params)
     adapters = ref_state["trainable"]
     opt = optim.make_optimizer(optim.OptimConfig(learning_rate=1e-2))
-    state = S.init_state(adapters, opt, 0, mesh)
+    state = T.init_state(adapters, opt, mesh)
     fn = S.make_train_step(L.lm_loss_fn(type(model)(cfg), chunk_size=8), opt, merge=lora.merge,
                            state_shardings=S.shardings_of(state),
                            frozen_shardings=S.shardings_of(p16),
@@ -196,8 +196,8 @@ def test_default_preset_is_the_demo_model_when_installed(monkeypatch, capsys):
 def test_export_skips_the_keras_lora_file_where_its_layout_is_unknown(tmp_path, capsys):
     """Gemma 3 (the demo model): KerasHub's .lora.h5 layer order is unknown, so the run ends with
     the orbax adapters and a note instead of failing after training."""
-    from jaxlm import families, lora
-    from jaxlm.train import cli, lm
+    from jaxlm import lora
+    from jaxlm.train.export import export
     from models.gemma import Gemma, PRESETS
     gemma3 = PRESETS["gemma_tiny"].replace(use_post_attention_norm=True, use_post_ffw_norm=True,
                                            use_query_key_norm=True)
@@ -206,8 +206,7 @@ def test_export_skips_the_keras_lora_file_where_its_layout_is_unknown(tmp_path, 
         model = Gemma(cfg)
         params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
         adapters = lora.init(params, 2, key=jax.random.key(1))
-        a = cli.parse([f"--out={tmp_path / name}"])
-        lm.export(a, model, params, adapters, None, families.by_config(cfg))
+        export(str(tmp_path / name), model, params, adapters, None)
         assert (tmp_path / name / "adapters").is_dir()
         assert (tmp_path / name / "adapters.lora.h5").exists() == (cfg is not gemma3)
     assert "no adapters.lora.h5" in capsys.readouterr().out

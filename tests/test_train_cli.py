@@ -73,7 +73,9 @@ def test_task_mlm_is_dispatched():
     """--task=mlm hands the other flags to jaxlm.mlm (which asks for its own required flags)."""
     proc = launch(["--task=mlm", "--mesh=1x2"])
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 2 and "--tokenizer" in err and "--task" not in err.split("error:")[-1]
+    message = err.split("error:")[-1].split("(see ")[0]  # the "(see ... --help)" hint names the task
+    assert proc.returncode == 2 and "--tokenizer" in message and "--task" not in message
+    assert len(err.strip().splitlines()) == 1  # one line, not argparse's usage block
 
 
 def final_adapters(out_dir):

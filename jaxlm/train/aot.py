@@ -23,15 +23,13 @@ import time
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import sharding
-from jaxlm import lora
+from jaxlm import precision
 from jaxlm.errors import UserError
-from jaxlm.train import optim
+from jaxlm.train import optim, trainer
 from jaxlm.train.loss import CHUNK_LOGITS, lm_loss_fn
-from jaxlm.train.step import make_train_step, micro_batch_sharding
 
 GiB = 1024 ** 3
 # Usable HBM per device as the TPU compiler reports it (shared/reference/tpu_aot.md); v6e: the
@@ -91,46 +89,23 @@ def _bytes_per_device(tree) -> int:
     return total
 
 
-def abstract_train_inputs(model, params, mesh, *, lora_rank: int, layout=None, batch_size: int,
-                          sequence_length: int, accum_steps: int = 1, optimizer=None,
-                          lora_alpha=None, lora_targets=None):
-    """-> (state, frozen, batch, make_train_step kwargs, optimizer); arrays are ShapeDtypeStructs on `mesh`.
+def abstract_trainer(model, params, mesh, *, lora_rank: int, layout=None, accum_steps: int = 1,
+                     optimizer=None, lora_alpha=None, lora_targets=None,
+                     trainable_dtype: str = "float32", chunk_logits: int | None = None):
+    """-> the `jaxlm.train.trainer.Trainer` train.py builds, its state ShapeDtypeStructs on `mesh`.
 
-    params: abstract parameter tree (`jaxlm.load(..., abstract=True)`). Mirrors `lm.run`:
-    the same rules, adapter specs, optimizer-state placement and batch sharding.
+    params: abstract parameter tree (`jaxlm.load(..., abstract=True)`), in the dtype the run
+    stores them (the frozen dtype under LoRA). The same rules, adapter specs, optimizer-state
+    placement and batch sharding as a real run, because it is the same builder.
     """
     rules = sharding.rules_for(model.config, layout)
     param_specs = sharding.partition_specs(params, rules, mesh)
     params = _abstract(params, param_specs, mesh)
-    optimizer = optimizer or optim.make_optimizer()
-    replicated = NamedSharding(mesh, P())
-    if lora_rank:
-        adapters = jax.eval_shape(lambda k: lora.init(params, lora_rank, key=k, targets=lora_targets),
-                                  jax.random.key(0))
-        trainable = _abstract(adapters, sharding.adapter_specs(adapters, param_specs, mesh), mesh)
-        frozen = params
-        merge = lambda f, t: lora.merge(f, t, alpha=lora_alpha)  # noqa: E731
-    else:
-        trainable, frozen, merge = params, None, None
-    shardings = jax.tree.map(lambda x: x.sharding, trainable)
-    shapes = jax.eval_shape(optimizer.init, trainable)
-    opt_shd = optax.tree_map_params(optimizer, lambda _, s: s, shapes, shardings,
-                                    transform_non_params=lambda _: replicated)
-    opt_state = jax.tree.map(lambda s, shd: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shd),
-                             shapes, opt_shd)
-    state = {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
-             "trainable": trainable, "opt_state": opt_state,
-             "rng": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)}
-    batch_shd = micro_batch_sharding(mesh, accum_steps)
-    lead = (accum_steps,) if accum_steps > 1 else ()
-    shape = lead + (batch_size, sequence_length + 1)
-    batch = {"token_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_shd),
-             "padding_mask": jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=batch_shd)}
-    kwargs = dict(merge=merge, accum_steps=accum_steps,
-                  state_shardings=jax.tree.map(lambda x: x.sharding, state),
-                  frozen_shardings=None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen),
-                  batch_shardings=batch_shd, mesh=mesh)
-    return state, frozen, batch, kwargs, optimizer
+    spec = trainer.LoraSpec(lora_rank, lora_alpha, lora_targets) if lora_rank else None
+    return trainer.build(params, mesh, param_specs=param_specs,
+                         loss_fn=lm_loss_fn(model, chunk_logits=chunk_logits),
+                         optimizer=optimizer or optim.make_optimizer(), lora=spec,
+                         trainable_dtype=trainable_dtype, accum_steps=accum_steps)
 
 
 @dataclasses.dataclass
@@ -193,11 +168,13 @@ def _overflow_message(e: Exception) -> str:
 
 def compile_train_step(model, params, *, topology: str, mesh_spec="auto", lora_rank: int = 4,
                        layout=None, batch_size: int = 8, sequence_length: int = 512,
-                       accum_steps: int = 1, lora_alpha=None, lora_targets=None):
+                       accum_steps: int = 1, lora_alpha=None, lora_targets=None,
+                       trainable_dtype: str = "float32"):
     """Lower and compile the train step for `topology`; -> (Report, compiled or None).
 
-    model, params: from `jaxlm.load(preset, dtype, abstract=True)` (set `remat` on the model's
-    config beforehand if wanted). mesh_spec: "DxM" over the topology's devices.
+    model, params: from `jaxlm.load(preset, dtype, abstract=True, param_dtype=...)` (set `remat`
+    on the model's config beforehand if wanted). mesh_spec: "DxM" over the topology's devices.
+    trainable_dtype: the master dtype (LoRA adapters; at full fine-tuning `params`' own dtype).
     """
     devices = topology_devices(topology)
     try:
@@ -207,13 +184,14 @@ def compile_train_step(model, params, *, topology: str, mesh_spec="auto", lora_r
     if batch_size % mesh.shape["batch"]:
         raise UserError(f"batch size {batch_size} is not divisible by the mesh's batch axis "
                         f"({mesh.shape['batch']}); use a multiple of it")
-    state, frozen, batch, kwargs, optimizer = abstract_train_inputs(
-        model, params, mesh, lora_rank=lora_rank, layout=layout, batch_size=batch_size,
-        sequence_length=sequence_length, accum_steps=accum_steps, lora_alpha=lora_alpha,
-        lora_targets=lora_targets)
-    step = make_train_step(lm_loss_fn(model, chunk_logits=CHUNK_LOGITS["tpu"]), optimizer, **kwargs)
+    built = abstract_trainer(model, params, mesh, lora_rank=lora_rank, layout=layout,
+                             accum_steps=accum_steps, lora_alpha=lora_alpha,
+                             lora_targets=lora_targets, trainable_dtype=trainable_dtype,
+                             chunk_logits=CHUNK_LOGITS["tpu"])
+    state, frozen = built.state, built.frozen
+    batch = trainer.abstract_batch(batch_size, sequence_length, built.batch_sharding, accum_steps)
     t0 = time.perf_counter()
-    lowered = step.lower(state, frozen, batch)
+    lowered = built.step.lower(state, frozen, batch)
     weights = _bytes_per_device(frozen if lora_rank else state["trainable"])
     report = Report(topology=topology, device_kind=devices[0].device_kind,
                     mesh=(mesh.shape["batch"], mesh.shape["model"]), weights=weights,
@@ -275,34 +253,39 @@ def compile_decode(model, params, *, topology: str, mesh_spec="auto", batch_size
     return fn.lower(params, *args).compile()
 
 
-def run_compile_only(a) -> int:
+def run_compile_only(preset: str, topology: str, *, mesh_spec: str = "auto",
+                     lora: trainer.LoraSpec | None = None, layout=None, batch_size: int = 8,
+                     sequence_length: int = 512, accum_steps: int = 1, remat: bool = False,
+                     policy: precision.Policy | None = None) -> int:
     """`train.py --compile_only=TOPOLOGY`: compile, print the table; exit 0 if it fits, else 1.
 
-    dtype defaults to bfloat16 for a TPU slice (what `train.py` picks there) and sequence length
-    to 512 (the seed's). A step that does not fit without --remat is compiled again with it, so
-    the output says whether that flag is the fix.
+    policy: the precision the run would use; default that of the target platform (float32
+    master weights over bfloat16 compute on a TPU slice, the base frozen in bfloat16 under
+    LoRA; float32 for "cpu"). A step that does not fit without remat is compiled again with
+    it, so the output says whether --remat is the fix.
     """
     import jaxlm
-    from jaxlm.train import cli
-    dtype = a.dtype or ("bfloat16" if a.compile_only != "cpu" else None)
-    model, params = jaxlm.load(a.preset, dtype, abstract=True)
-    seq = a.sequence_length or cli.DATA_SEQUENCE_LENGTH
+    policy = policy or precision.resolve(platform="cpu" if topology == "cpu" else "tpu")
+    stored = policy.frozen if lora else policy.param
+    model, params = jaxlm.load(preset, policy.compute, abstract=True, param_dtype=stored)
 
-    def compile_with(remat: bool):
-        m = type(model)(model.config.replace(remat=True)) if remat else model
+    def compile_with(with_remat: bool):
+        m = type(model)(model.config.replace(remat=True)) if with_remat else model
         return compile_train_step(
-            m, params, topology=a.compile_only, mesh_spec=a.mesh, lora_rank=a.lora_rank,
-            layout=a.layout, batch_size=a.batch_size, sequence_length=seq,
-            accum_steps=a.accum_steps, lora_alpha=a.lora_alpha, lora_targets=a.lora_targets)[0]
+            m, params, topology=topology, mesh_spec=mesh_spec, lora_rank=lora.rank if lora else 0,
+            layout=layout, batch_size=batch_size, sequence_length=sequence_length,
+            accum_steps=accum_steps, lora_alpha=lora.alpha if lora else None,
+            lora_targets=lora.targets if lora else None, trainable_dtype=policy.param)[0]
 
-    what = (f"{a.preset} ({model.config.dtype}), {'LoRA rank ' + str(a.lora_rank) if a.lora_rank else 'full fine-tuning'}, "
-            f"batch {a.batch_size}" + (f" x {a.accum_steps} micro-batches" if a.accum_steps > 1 else "")
-            + f", sequence {seq}" + (", --remat" if a.remat else ""))
-    print(f"compiling the train step of {what} for {a.compile_only}"
-          + ("" if a.compile_only == "cpu" else " with the TPU compiler (libtpu)") + " ...")
-    report = compile_with(a.remat)
+    what = (f"{preset} ({policy.describe(bool(lora))}), "
+            f"{'LoRA rank ' + str(lora.rank) if lora else 'full fine-tuning'}, batch {batch_size}"
+            + (f" x {accum_steps} micro-batches" if accum_steps > 1 else "")
+            + f", sequence {sequence_length}" + (", --remat" if remat else ""))
+    print(f"compiling the train step of {what} for {topology}"
+          + ("" if topology == "cpu" else " with the TPU compiler (libtpu)") + " ...")
+    report = compile_with(remat)
     print(report.table())
-    if not report.fits and not a.remat:
+    if not report.fits and not remat:
         print("compiling again with --remat (block activations recomputed in the backward pass) ...")
         again = compile_with(True)
         print(again.table())
@@ -312,5 +295,5 @@ def run_compile_only(a) -> int:
     return 0 if report.fits else 1
 
 
-__all__ = ["compile_train_step", "abstract_train_inputs", "topology_devices", "count_collectives",
+__all__ = ["compile_train_step", "abstract_trainer", "topology_devices", "count_collectives",
            "compile_decode", "Report", "TOPOLOGIES", "HBM_GIB", "has_libtpu", "run_compile_only"]

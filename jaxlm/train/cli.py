@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 
 from jaxlm.errors import UserError
+from jaxlm.train import flags
 
 # The random-init toy default learns slowly through rank-4 adapters at the seed's 5e-5; these
 # make its loss visibly fall in a couple of minutes on a laptop CPU (see README, "Training").
@@ -21,23 +22,23 @@ TOY_PRESET = "gemma_tiny"
 DATA_SEQUENCE_LENGTH = 512  # the seed's `preprocessor.sequence_length = 512`
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse would print usage + exit; we want one line, exit 2
-        raise UserError(f"{message} (see python train.py --help)")
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="train.py", description="Fine-tune Gemma (LoRA or full) on a device mesh.",
-                allow_abbrev=False)
+    p = flags.ArgumentParser(prog="train.py", description="Fine-tune Gemma (LoRA or full) on a device mesh.",
+                             allow_abbrev=False)
+    flags.add_shared(p, {"mesh": "auto", "batch_size": 8, "weight_decay": 0.01, "warmup_steps": 0,
+                         "seed": 0, "out": "runs/default", "save_every": 50, "keep": 3,
+                         "log_every": 10}, helps={
+        "mesh": "DxM devices on (batch, model), e.g. 1x8; auto = 1xN",
+        "layout": "sharding table: seed (the article's) | keras (get_layout_map)",
+        "steps": f"default: 1 epoch with --data, {TOY_STEPS} built-in",
+        "learning_rate": f"default 5e-5 (the seed's); for the random toy default "
+                         f"{TOY_LEARNING_RATE} (LoRA) or {TOY_FULL_LEARNING_RATE} (full)"})
     a = p.add_argument
     a("--task", default="lm", choices=["lm", "mlm"], help="lm: causal LM fine-tuning; mlm: RoBERTa MLM")
-    a("--mesh", default="auto", help="DxM devices on (batch, model), e.g. 1x8; auto = 1xN")
-    a("--layout", default=None, help="sharding table: seed (the article's) | keras (get_layout_map)")
     a("--print_sharding", action="store_true", help="list every parameter's shape and spec")
     a("--preset", default=None,
       help="Keras preset folder, jaxlm folder, .gguf file or built-in name (gemma_tiny: random "
            "toy). Default: the pretrained Gemma 3 270M of the demo extra, else gemma_tiny")
-    a("--dtype", default=None, help="parameter/compute dtype (default float32 on CPU, bfloat16 else)")
     a("--remat", action="store_true", help="recompute block activations in the backward pass")
     a("--attention", default="xla", choices=["xla", "cudnn"],
       help="training attention: xla (any platform) or cudnn (fused flash attention; NVIDIA GPU, "
@@ -54,22 +55,9 @@ def parser() -> argparse.ArgumentParser:
     a("--sequence_length", type=int, default=None,
       help=f"tokens per example (default {DATA_SEQUENCE_LENGTH} with --data, "
            f"{TOY_SEQUENCE_LENGTH} built-in)")
-    a("--steps", type=int, default=None, help=f"default: 1 epoch with --data, {TOY_STEPS} built-in")
-    a("--epochs", type=float, default=None)
-    a("--batch_size", type=int, default=8, help="global batch (per optimizer step, per micro-batch)")
     a("--accum_steps", type=int, default=1, help="micro-batches accumulated per optimizer step")
-    a("--learning_rate", type=float, default=None,
-      help=f"default 5e-5 (the seed's); for the random toy default {TOY_LEARNING_RATE} "
-           f"(LoRA) or {TOY_FULL_LEARNING_RATE} (full)")
-    a("--weight_decay", type=float, default=0.01)
-    a("--warmup_steps", type=int, default=0)
     a("--schedule", default="constant", choices=["constant", "cosine"])
     a("--clip_norm", type=float, default=1.0, help="global-norm clipping; 0 disables")
-    a("--seed", type=int, default=0)
-    a("--out", default="runs/default", help="checkpoints, metrics.jsonl and exports go here")
-    a("--save_every", type=int, default=50)
-    a("--keep", type=int, default=3, help="checkpoints kept")
-    a("--log_every", type=int, default=10)
     a("--export", default="adapters", choices=["adapters", "merged"],
       help="merged: also write the merged model (jaxlm folder + Keras preset)")
     a("--prompt", action="append", default=None, help="prompt shown before/after (repeatable)")
@@ -91,6 +79,8 @@ class Args:
     print_sharding: bool
     preset: str
     dtype: str | None
+    param_dtype: str | None
+    compute_dtype: str | None
     remat: bool
     lora_rank: int
     lora_alpha: float | None
@@ -132,6 +122,7 @@ def parse(argv: list[str]) -> Args:
         ns["template"] = ns["template"].replace("\\n", "\n").replace("\\t", "\t")
     if ns["prompt"] is not None:
         ns["prompt"] = tuple(ns["prompt"])
+    flags.check_dtypes(ns)
     args = Args(**ns)
     _check(args)
     return args
@@ -174,7 +165,7 @@ def _check(a: Args) -> None:
 
 def fingerprint(a: Args) -> dict:
     """The flags that change the training trajectory; a resumed run must match them."""
-    keys = ("preset", "dtype", "lora_rank", "lora_alpha", "lora_targets", "data",
+    keys = ("preset", "dtype", "param_dtype", "compute_dtype", "lora_rank", "lora_alpha", "lora_targets", "data",
             "instruction_column", "output_column", "template", "limit", "sequence_length",
             "batch_size", "accum_steps", "learning_rate", "weight_decay", "warmup_steps",
             "schedule", "clip_norm", "seed")

@@ -1,7 +1,8 @@
 """`python train.py` for causal LMs: load onto the mesh, LoRA, data, train, evaluate, export.
 
-Only wiring lives here; the pieces are `jaxlm.train.{loss,optim,step,loop}`, `jaxlm.data`,
-`jaxlm.checkpoint`, `jaxlm.lora` and `sharding`.
+Only wiring lives here, from the command line's `Args` to explicit arguments of the pieces:
+`jaxlm.precision` (the dtypes), `jaxlm.train.trainer` (state + step), `jaxlm.train.{loss,optim,
+loop,evaluate,export}`, `jaxlm.data`, `jaxlm.checkpoint`, `jaxlm.lora` and `sharding`.
 """
 from __future__ import annotations
 
@@ -10,17 +11,19 @@ import importlib
 import json
 import math
 import os
+import sys
 
 import jax
 
 import jaxlm
 import sharding
-from jaxlm import checkpoint, data, distributed, lora
+from jaxlm import checkpoint, data, distributed, precision, storage
 from jaxlm.errors import UserError
 from jaxlm.loading import resolve
-from jaxlm.train import cli, loop, optim
+from jaxlm.train import cli, loop, optim, trainer as trainer_lib
+from jaxlm.train.evaluate import Evaluator, sample_instructions
+from jaxlm.train.export import export
 from jaxlm.train.loss import lm_loss_fn
-from jaxlm.train.step import (init_state, make_train_step, micro_batch_sharding, shardings_of)
 
 
 def build_mesh(spec: str):
@@ -91,49 +94,14 @@ def num_steps(a: cli.Args, num_examples: int, default: int | None = None) -> int
     return default or max(1, math.ceil(num_examples / per_step))
 
 
-class Evaluator:
-    """Generations for fixed prompts and exact match on held-out examples (KerasHub semantics)."""
+def policy_of(a: cli.Args, platform: str | None = None) -> precision.Policy:
+    """The precision policy these flags ask for on `platform` (default: this one)."""
+    return precision.resolve(dtype=a.dtype, param_dtype=a.param_dtype,
+                             compute_dtype=a.compute_dtype, platform=platform)
 
-    def __init__(self, a: cli.Args, tokenizer, held, mesh, train_instructions=()):
-        self.a, self.tokenizer, self.mesh = a, tokenizer, mesh
-        self.held = held
-        n = min(a.eval_examples, len(held)) if held is not None else 0
-        self.eval_prompts = [data.prompt(a.template, i) for i in held.instructions[:n]] if n else []
-        self.answers = held.outputs[:n] if n else []
-        if a.prompt:
-            instructions = list(a.prompt)
-        else:  # held-out prompts; with a user's file, its first instructions (seen in training)
-            instructions = (held.instructions if held is not None else train_instructions)[:a.num_samples]
-        self.sample_prompts = [data.prompt(a.template, i) for i in instructions]
-        try:
-            from jaxlm.generate import generate
-            self.generate = generate
-        except ImportError:  # generation lands separately; training does not need it
-            self.generate = None
 
-    def _run(self, model, params, adapters, prompts):
-        longest = max(len(self.tokenizer.encode(p)) for p in prompts)
-        return self.generate(model, params, self.tokenizer, prompts,
-                             max_length=longest + self.a.max_new_tokens, strip_prompt=True,
-                             adapters=adapters, mesh=self.mesh)
-
-    def __call__(self, when: str, model, params, adapters) -> dict:
-        if self.generate is None:
-            print(f"[{when}] generation skipped: jaxlm.generate is not available")
-            return {}
-        result = {}
-        if self.sample_prompts:
-            outs = self._run(model, params, adapters, self.sample_prompts)
-            for p, o in zip(self.sample_prompts, outs):
-                print(f"[{when}] {p!r} -> {o!r}")
-            result["samples"] = dict(zip(self.sample_prompts, outs))
-        if self.eval_prompts:
-            outs = self._run(model, params, adapters, self.eval_prompts)
-            hits = sum(data.exact_match(o, ans) for o, ans in zip(outs, self.answers))
-            result["exact_match"] = hits / len(self.answers)
-            print(f"[{when}] exact match on {len(self.answers)} held-out examples: "
-                  f"{hits}/{len(self.answers)} ({result['exact_match']:.1%})")
-        return result
+def lora_spec_of(a: cli.Args) -> trainer_lib.LoraSpec | None:
+    return trainer_lib.LoraSpec(a.lora_rank, a.lora_alpha, a.lora_targets) if a.lora_rank else None
 
 
 def run(a: cli.Args) -> int:
@@ -143,8 +111,13 @@ def run(a: cli.Args) -> int:
         demo = a.preset != cli.TOY_PRESET and not a.data
     if a.compile_only:  # abstract params only: nothing is read, tokenized or allocated
         from jaxlm.train import aot
-        return aot.run_compile_only(a)
-    kind, family, config = resolve(a.preset, a.dtype)
+        target = "cpu" if a.compile_only == "cpu" else "tpu"
+        return aot.run_compile_only(
+            a.preset, a.compile_only, mesh_spec=a.mesh, lora=lora_spec_of(a), layout=a.layout,
+            batch_size=a.batch_size, sequence_length=a.sequence_length or cli.DATA_SEQUENCE_LENGTH,
+            accum_steps=a.accum_steps, remat=a.remat, policy=policy_of(a, target))
+    policy = policy_of(a)
+    kind, family, config = resolve(a.preset, policy.compute)
     toy = kind == "preset"
     a = resolve_defaults(a, toy, demo)
     mesh = build_mesh(a.mesh)
@@ -161,18 +134,23 @@ def run(a: cli.Args) -> int:
             print("NOTE: adapters on a random base learn little (its frozen tied embedding keeps the "
                   "logits within about +-2, so the loss cannot go much below ~6.3); "
                   "--lora_rank=0 --steps=400 shows real learning.")
+    for line in precision.warnings(policy, bool(a.lora_rank)):
+        print(line, file=sys.stderr)
     tokenizer = jaxlm.load_tokenizer(a.preset)
     train, held, ids, mask = load_data(a, tokenizer)  # bad data fails before the model loads
     default_steps = cli.TOY_STEPS if toy and not a.data else cli.DEMO_STEPS if demo else None
     steps = num_steps(a, len(train), default_steps)
 
+    # The base is stored in the frozen dtype under LoRA (it never updates), else in the master one.
+    stored = policy.frozen if a.lora_rank else policy.param
     try:
         rules = sharding.rules_for(config, a.layout)
-        sharding.partition_specs(jaxlm.load(a.preset, a.dtype, abstract=True)[1], rules, mesh)
+        sharding.partition_specs(jaxlm.load(a.preset, policy.compute, abstract=True,
+                                            param_dtype=stored)[1], rules, mesh)
     except ValueError as e:  # a bad --layout or a rule that fits no parameter
         raise UserError(str(e)) from None
-    model, params = jaxlm.load(a.preset, a.dtype, placement=sharding.placement(mesh, rules),
-                               seed=a.seed)
+    model, params = jaxlm.load(a.preset, policy.compute, param_dtype=stored,
+                               placement=sharding.placement(mesh, rules), seed=a.seed)
     base_model = model
     if a.remat:
         model = type(model)(model.config.replace(remat=True))
@@ -182,63 +160,49 @@ def run(a: cli.Args) -> int:
         except ValueError as e:  # float32, or Gemma 2's attention soft-cap
             raise UserError(f"--attention: {e}") from None
     param_specs = sharding.partition_specs(params, rules, mesh)
-
-    if a.lora_rank:
-        try:
-            adapters = lora.init(params, a.lora_rank, key=jax.random.key(a.seed), alpha=a.lora_alpha,
-                                 targets=a.lora_targets)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        specs = sharding.adapter_specs(adapters, param_specs, mesh)
-        adapters = jax.device_put(adapters, jax.tree.map(
-            lambda s: jax.sharding.NamedSharding(mesh, s), specs,
-            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
-        trainable, frozen = adapters, params
-        merge = lambda f, t: lora.merge(f, t, alpha=a.lora_alpha)  # noqa: E731
-    else:
-        trainable, frozen, merge, adapters = params, None, None, None
+    ocfg = optim.OptimConfig(learning_rate=a.learning_rate, weight_decay=a.weight_decay,
+                             warmup_steps=a.warmup_steps, schedule=a.schedule, total_steps=steps,
+                             clip_norm=a.clip_norm, mu_dtype=policy.optimizer)
+    optimizer = optim.make_optimizer(ocfg)
+    try:
+        run_ = trainer_lib.build(params, mesh, param_specs=param_specs, loss_fn=lm_loss_fn(model),
+                                 optimizer=optimizer, lora=lora_spec_of(a), trainable_dtype=policy.param,
+                                 accum_steps=a.accum_steps, seed=a.seed)
+    except ValueError as e:
+        if isinstance(e, UserError):
+            raise
+        raise UserError(str(e)) from None
+    state, frozen = run_.state, run_.frozen
+    del params  # the state (full fine-tune) or the frozen tree (LoRA) owns them now
+    adapters = state["trainable"] if a.lora_rank else None
     if a.print_sharding:
         print(f"sharding on the {mesh.shape['batch']}x{mesh.shape['model']} (batch, model) mesh, "
               f"layout {a.layout or sharding.DEFAULT_LAYOUT[config.family]}:")
-        print(sharding.format_sharding(frozen if a.lora_rank else params))
+        print(sharding.format_sharding(frozen if a.lora_rank else state["trainable"]))
         if adapters is not None:
             print(sharding.format_sharding(adapters))
-    jaxlm.summary(base_model, frozen if a.lora_rank else params, trainable=adapters)
+    jaxlm.summary(base_model, frozen if a.lora_rank else state["trainable"], trainable=adapters)
+    print(f"precision: {policy.describe(bool(a.lora_rank))}")
 
-    ocfg = optim.OptimConfig(learning_rate=a.learning_rate, weight_decay=a.weight_decay,
-                             warmup_steps=a.warmup_steps, schedule=a.schedule, total_steps=steps,
-                             clip_norm=a.clip_norm)
-    optimizer = optim.make_optimizer(ocfg)
-    state = init_state(trainable, optimizer, a.seed, mesh)
-    del trainable, params  # the state owns them now (donated to every step)
-
-    os.makedirs(a.out, exist_ok=True)
+    storage.makedirs(a.out)
     fp = cli.fingerprint(a) | ({"steps": steps} if a.schedule == "cosine" else {})
-    mngr = checkpoint.manager(os.path.join(a.out, "checkpoints"), keep=a.keep)
+    mngr = checkpoint.manager(storage.join(a.out, "checkpoints"), keep=a.keep)
     restored = checkpoint.resume(mngr, state, fp, a.out)
-    evaluator = Evaluator(a, tokenizer, held, mesh, train.instructions)
-    before_path = os.path.join(a.out, "eval_before.json")
+    evaluator = Evaluator(tokenizer, a.template, held,
+                          sample_instructions(a.prompt, held, train.instructions, a.num_samples),
+                          eval_examples=a.eval_examples, max_new_tokens=a.max_new_tokens, mesh=mesh)
+    lead = jax.process_index() == 0
+    before_path = storage.join(a.out, "eval_before.json")
     if restored is not None:
         state, meta = restored
-        print(f"resuming from step {meta['step']} ({a.out}/checkpoints/{meta['step']}, "
+        print(f"resuming from step {meta['step']} ({storage.join(a.out, 'checkpoints', str(meta['step']))}, "
               f"data position {meta['data_position']})")
-        before = {}
-        if os.path.exists(before_path):
-            with open(before_path) as f:
-                before = json.load(f)
+        before = json.loads(storage.read_text(before_path)) if storage.exists(before_path) else {}
     else:
         before = evaluator("before", base_model, frozen if a.lora_rank else state["trainable"],
                            state["trainable"] if a.lora_rank else None)
-        if jax.process_index() == 0:
-            with open(before_path, "w") as f:
-                json.dump(before, f, indent=1)
-
-    loss_fn = lm_loss_fn(model)
-    batch_shd = micro_batch_sharding(mesh, a.accum_steps)
-    step_fn = make_train_step(loss_fn, optimizer, merge=merge, accum_steps=a.accum_steps,
-                              state_shardings=shardings_of(state),
-                              frozen_shardings=shardings_of(frozen) if frozen is not None else None,
-                              batch_shardings=batch_shd, mesh=mesh)
+        if lead:
+            storage.write_text(before_path, json.dumps(before, indent=1))
 
     def get_batch(step):
         # Every host can index the whole batch (the rows are in memory); it keeps the rows its
@@ -247,9 +211,9 @@ def run(a: cli.Args) -> int:
                                 seed=a.seed)
         axis = 0 if a.accum_steps == 1 else 1
         shapes = {k: v.shape for k, v in whole.items()}
-        rows = distributed.local_rows(batch_shd, shapes["token_ids"], axis)
+        rows = distributed.local_rows(run_.batch_sharding, shapes["token_ids"], axis)
         local = {k: v[(slice(None),) * axis + (rows,)] for k, v in whole.items()}
-        return distributed.place_batch(batch_shd, local, shapes)
+        return distributed.place_batch(run_.batch_sharding, local, shapes)
 
     global_batch = a.batch_size * a.accum_steps
     done = int(jax.device_get(state["step"]))
@@ -259,11 +223,11 @@ def run(a: cli.Args) -> int:
         print(f"training steps {done + 1}..{steps} of {global_batch} examples x {a.sequence_length} "
               f"tokens on a {mesh.shape['batch']}x{mesh.shape['model']} mesh, learning rate "
               f"{a.learning_rate:g}")
-    state, history = loop.run(step_fn, state, frozen, get_batch, num_steps=steps, mngr=mngr,
-                     save_every=a.save_every, log_every=a.log_every,
-                     meta=lambda s: {"step": s, "data_position": s * global_batch,
-                                     "fingerprint": fp},
-                     metrics_path=loop.metrics_file(a.out))
+    state, history = loop.run(run_.step, state, frozen, get_batch, num_steps=steps, mngr=mngr,
+                              save_every=a.save_every, log_every=a.log_every,
+                              meta=lambda s: {"step": s, "data_position": s * global_batch,
+                                              "fingerprint": fp},
+                              metrics_path=loop.metrics_file(a.out))
     mngr.close()
     if len(history) > 1:
         (s0, m0), (s1, m1) = history[0], history[-1]
@@ -273,47 +237,10 @@ def run(a: cli.Args) -> int:
     trained = state["trainable"]
     after = evaluator("after", base_model, frozen if a.lora_rank else trained,
                       trained if a.lora_rank else None)
-    if jax.process_index() == 0:
-        with open(os.path.join(a.out, "eval_after.json"), "w") as f:
-            json.dump(after, f, indent=1)
+    if lead:
+        storage.write_text(storage.join(a.out, "eval_after.json"), json.dumps(after, indent=1))
     if "exact_match" in before and "exact_match" in after:
         print(f"exact match: {before['exact_match']:.1%} before -> {after['exact_match']:.1%} after")
-    export(a, base_model, frozen if a.lora_rank else trained, trained if a.lora_rank else None,
-           tokenizer, family)
+    export(a.out, base_model, frozen if a.lora_rank else trained, trained if a.lora_rank else None,
+           tokenizer, merged=a.export == "merged")
     return 0
-
-
-def export(a: cli.Args, model, params, adapters, tokenizer, family) -> None:
-    """Adapters alone (orbax + KerasHub .lora.h5); with --export=merged the merged model too."""
-    written = []
-    lead = jax.process_index() == 0  # orbax coordinates hosts itself; plain files: host 0 only
-    if adapters is not None:
-        checkpoint.save_tree(os.path.join(a.out, "adapters"), adapters)
-        written.append("adapters/")
-        if not lora.keras_lora_supported(model.config):  # the orbax adapters above still hold them
-            if lead:
-                print("note: no adapters.lora.h5 (KerasHub's LoRA file layout is known for Gemma 1 "
-                      "and RoBERTa only); the adapters are in adapters/")
-        else:
-            whole = adapters
-            if jax.process_count() > 1:  # small: gather the adapter shards every host holds
-                from jax.experimental import multihost_utils
-                whole = multihost_utils.process_allgather(adapters, tiled=True)
-            if lead:
-                lora.save_keras_lora(os.path.join(a.out, "adapters.lora.h5"), whole, model.config,
-                                     alpha=a.lora_alpha)
-            written.append("adapters.lora.h5")
-    if adapters is None or a.export == "merged":
-        merged = params if adapters is None else jax.jit(
-            lambda p, t: lora.merge(p, t, alpha=a.lora_alpha))(params, adapters)
-        jaxlm.save(os.path.join(a.out, "merged"), model, merged, tokenizer)
-        written.append("merged/ (jaxlm folder)")
-        if jax.process_count() == 1:
-            from jaxlm.convert.keras_preset import write_preset
-            write_preset(family, model.config, merged, os.path.join(a.out, "merged_keras"), tokenizer)
-            written.append("merged_keras/ (Keras preset)")
-        elif lead:  # a Keras .h5 needs every tensor whole on one host
-            print("multi-host run: convert merged/ to a Keras preset with "
-                  "`python -m jaxlm.convert --to-keras` on one machine")
-    if lead:
-        print(f"exported to {a.out}: {', '.join(written)}")

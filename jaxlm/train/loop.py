@@ -6,14 +6,13 @@ function from `jaxlm.train.step.make_train_step`, so the MLM trainer reuses it a
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from typing import Callable
 
 import jax
 
-from jaxlm import checkpoint
+from jaxlm import checkpoint, storage
 
 
 def progress_line(step: int, total: int, m: dict, tok_s: float, step_s: float, width: int = 20) -> str:
@@ -37,7 +36,7 @@ def run(step_fn: Callable, state: dict, frozen, get_batch: Callable[[int], dict]
     pending: list = []  # (step, device metrics) since the last log point
     history: list = []  # (step, host metrics) of every step run here
     t_last = time.perf_counter()
-    log_file = open(metrics_path, "a") if metrics_path and jax.process_index() == 0 else None
+    log_file = MetricsFile(metrics_path) if metrics_path and jax.process_index() == 0 else None
     try:
         for s in range(start, num_steps):
             state, metrics = step_fn(state, frozen, get_batch(s))
@@ -73,10 +72,8 @@ def _log(items, seconds: float, total: int, log_file, print_fn, quiet: bool = Fa
     tokens = sum(m["count"] for _, m in items)
     tok_s = tokens / max(seconds, 1e-9)
     if log_file:
-        for s, m in items:
-            log_file.write(json.dumps({"step": s, **m, "step_time_s": step_s,
-                                       "tokens_per_s": tok_s}) + "\n")
-        log_file.flush()
+        log_file.write([{"step": s, **m, "step_time_s": step_s, "tokens_per_s": tok_s}
+                        for s, m in items])
     if not quiet:
         step, m = items[-1]
         print_fn(progress_line(step, total, m, tok_s, step_s))
@@ -85,4 +82,30 @@ def _log(items, seconds: float, total: int, log_file, print_fn, quiet: bool = Fa
 
 
 def metrics_file(out_dir: str) -> str:
-    return os.path.join(out_dir, "metrics.jsonl")
+    return storage.join(out_dir, "metrics.jsonl")
+
+
+class MetricsFile:
+    """metrics.jsonl, one JSON object per step, kept across resumed runs: appended to on a local
+    disk; on an object store (no appends) rewritten whole at each log point."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if storage.is_url(path):
+            self.lines = storage.read_text(path).splitlines(True) if storage.exists(path) else []
+            self.file = None
+        else:
+            self.file = open(path, "a")
+
+    def write(self, rows: list[dict]) -> None:
+        text = [json.dumps(r) + "\n" for r in rows]
+        if self.file is not None:
+            self.file.writelines(text)
+            self.file.flush()
+        else:
+            self.lines += text
+            storage.write_text(self.path, "".join(self.lines))
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()

@@ -1,6 +1,7 @@
 """The jitted train step: explicit shardings, donated state, LoRA merged inside jit.
 
-State is a plain dict, so orbax checkpoints it as any other tree::
+State is a plain dict, so orbax checkpoints it as any other tree (built by
+`jaxlm.train.trainer`)::
 
     {"step": int32 [], "trainable": tree, "opt_state": optax state, "rng": uint32 [2]}
 
@@ -24,25 +25,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 LossFn = Callable  # (params, batch, rng) -> (loss_sum [], metrics {str: []} with "count")
 MergeFn = Callable  # (frozen, trainable) -> params the loss sees
-
-
-def init_state(trainable: dict, optimizer: optax.GradientTransformation, seed: int = 0,
-               mesh=None) -> dict:
-    """A fresh train state; the optimizer state inherits the shardings of `trainable`."""
-    step = jnp.zeros((), jnp.int32)
-    rng = jax.random.key_data(jax.random.key(seed))
-    if mesh is None:
-        opt_state = jax.jit(optimizer.init)(trainable)
-    else:
-        # Moments follow their parameter's sharding; counters and the like are replicated (left
-        # to itself, jit would put them on one device and the step would refuse the mix).
-        replicated = NamedSharding(mesh, P())
-        shapes = jax.eval_shape(optimizer.init, trainable)
-        out = optax.tree_map_params(optimizer, lambda _, s: s, shapes, shardings_of(trainable),
-                                    transform_non_params=lambda _: replicated)
-        opt_state = jax.jit(optimizer.init, out_shardings=out)(trainable)
-        step, rng = jax.device_put(step, replicated), jax.device_put(rng, replicated)
-    return {"step": step, "trainable": trainable, "opt_state": opt_state, "rng": rng}
 
 
 def shardings_of(tree):

@@ -1,0 +1,57 @@
+"""Before/after evaluation of a fine-tune: sample generations and held-out exact match.
+
+    evaluator = Evaluator(tokenizer, template, held, sample_instructions, eval_examples=40,
+                          max_new_tokens=12, mesh=mesh)
+    result = evaluator("after", model, params, adapters)   # {"samples": {...}, "exact_match": f}
+
+Generation is `jaxlm.generate` with KerasHub semantics, greedy, on the training mesh. The
+adapters (a `jaxlm.lora.Adapters`) are merged with their own alpha, so what is evaluated is
+what was trained; exact match compares the completion's first line with the answer.
+"""
+from __future__ import annotations
+
+from jaxlm import data
+from jaxlm.generate import generate
+
+
+class Evaluator:
+    """Generations for fixed prompts and exact match on held-out examples."""
+
+    def __init__(self, tokenizer, template: str, held: data.Records | None,
+                 sample_instructions, *, eval_examples: int, max_new_tokens: int, mesh=None):
+        """held: held-out Records for exact match (None: none). sample_instructions: the
+        instructions whose generations are printed before and after."""
+        self.tokenizer, self.mesh, self.max_new_tokens = tokenizer, mesh, max_new_tokens
+        n = min(eval_examples, len(held)) if held is not None else 0
+        self.eval_prompts = [data.prompt(template, i) for i in held.instructions[:n]] if n else []
+        self.answers = held.outputs[:n] if n else []
+        self.sample_prompts = [data.prompt(template, i) for i in sample_instructions]
+
+    def _run(self, model, params, adapters, prompts):
+        longest = max(len(self.tokenizer.encode(p)) for p in prompts)
+        return generate(model, params, self.tokenizer, prompts,
+                        max_length=longest + self.max_new_tokens, strip_prompt=True,
+                        adapters=adapters, mesh=self.mesh)
+
+    def __call__(self, when: str, model, params, adapters=None) -> dict:
+        result = {}
+        if self.sample_prompts:
+            outs = self._run(model, params, adapters, self.sample_prompts)
+            for p, o in zip(self.sample_prompts, outs):
+                print(f"[{when}] {p!r} -> {o!r}")
+            result["samples"] = dict(zip(self.sample_prompts, outs))
+        if self.eval_prompts:
+            outs = self._run(model, params, adapters, self.eval_prompts)
+            hits = sum(data.exact_match(o, ans) for o, ans in zip(outs, self.answers))
+            result["exact_match"] = hits / len(self.answers)
+            print(f"[{when}] exact match on {len(self.answers)} held-out examples: "
+                  f"{hits}/{len(self.answers)} ({result['exact_match']:.1%})")
+        return result
+
+
+def sample_instructions(prompts, held, train_instructions, num_samples: int) -> list[str]:
+    """--prompt values if given; else the first held-out instructions (with a user's file,
+    its first training instructions)."""
+    if prompts:
+        return list(prompts)
+    return list((held.instructions if held is not None else train_instructions)[:num_samples])

@@ -1,0 +1,130 @@
+"""One builder for what every trainer steps: the train state, its shardings and the jitted step.
+
+    trainer = build(params, mesh, param_specs=specs, loss_fn=loss, optimizer=opt,
+                    lora=LoraSpec(rank=4, alpha=16.0))
+    state, metrics = trainer.step(trainer.state, trainer.frozen, batch)
+
+The causal-LM trainer (`train.py`), the RoBERTa MLM trainer and the ahead-of-time compiler
+(`--compile_only`) all build their state here, so they cannot drift apart. The compiler passes
+abstract parameters (`jax.ShapeDtypeStruct`s carrying shardings) and gets an abstract state
+back: nothing is allocated, and the step it lowers is the one training runs.
+
+Under LoRA the trainable tree is the `jaxlm.lora.Adapters`, created directly in their
+shardings (each factor follows its kernel's spec, `sharding.adapter_specs`) in the policy's
+master dtype; the base parameters are the frozen tree, passed to every step and never donated.
+At rank 0 the parameters themselves are trained. The optimizer state follows the trainable
+tree's shardings; the step counter and RNG are replicated.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import sharding
+from jaxlm import lora as lora_lib
+from jaxlm.train.step import make_train_step, micro_batch_sharding, shardings_of
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """What `train.py --lora_rank/--lora_alpha/--lora_targets` ask for (None: KerasHub's)."""
+    rank: int
+    alpha: float | None = None
+    targets: tuple[str, ...] | None = None
+
+
+@dataclasses.dataclass
+class Trainer:
+    state: dict            # {"step", "trainable", "opt_state", "rng"}: arrays or ShapeDtypeStructs
+    frozen: dict | None    # the LoRA base (None when every parameter trains)
+    step: Callable         # jitted (state, frozen, batch) -> (state, metrics); donates state
+    batch_sharding: NamedSharding
+
+
+def _is_abstract(tree) -> bool:
+    return all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+def make_adapters(params, param_specs, mesh, spec: LoraSpec, *, seed: int = 0,
+                  dtype: str = "float32", abstract: bool = False) -> lora_lib.Adapters:
+    """LoRA factors created in their shardings (or their ShapeDtypeStructs when `abstract`)."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+
+    def init(key):
+        return lora_lib.init(shapes, spec.rank, key=key, alpha=spec.alpha, targets=spec.targets,
+                             dtype=dtype)
+    key = jax.random.key(seed)
+    specs = sharding.adapter_specs(jax.eval_shape(init, key), param_specs, mesh)
+    out = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    if abstract:
+        return jax.tree.map(lambda s, shd: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shd),
+                            jax.eval_shape(init, key), out)
+    return jax.jit(init, out_shardings=out)(key)
+
+
+def init_state(trainable, optimizer: optax.GradientTransformation, mesh=None, *, seed: int = 0,
+               abstract: bool = False) -> dict:
+    """A fresh train state; the optimizer state inherits the shardings of `trainable` (without
+    a mesh: jit's default placement, for one-device benchmarks)."""
+    if mesh is None:
+        return {"step": jnp.zeros((), jnp.int32), "trainable": trainable,
+                "opt_state": jax.jit(optimizer.init)(trainable),
+                "rng": jax.random.key_data(jax.random.key(seed))}
+    replicated = NamedSharding(mesh, P())
+    shapes = jax.eval_shape(optimizer.init, trainable)
+    # Moments follow their parameter's sharding; counters and the like are replicated (left to
+    # itself, jit would put them on one device and the step would refuse the mix).
+    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, shapes, shardings_of(trainable),
+                                          transform_non_params=lambda _: replicated)
+    if abstract:
+        sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)  # noqa: E731
+        opt_state = jax.tree.map(lambda s, shd: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shd),
+                                 shapes, opt_shardings)
+        return {"step": sds((), jnp.int32), "trainable": trainable, "opt_state": opt_state,
+                "rng": sds((2,), jnp.uint32)}
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(trainable)
+    step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+    rng = jax.device_put(jax.random.key_data(jax.random.key(seed)), replicated)
+    return {"step": step, "trainable": trainable, "opt_state": opt_state, "rng": rng}
+
+
+def build(params, mesh, *, param_specs, loss_fn: Callable,
+          optimizer: optax.GradientTransformation, lora: LoraSpec | None = None,
+          trainable_dtype: str = "float32", accum_steps: int = 1, seed: int = 0) -> Trainer:
+    """The state, frozen tree and jitted step for training `params` (see the module docstring).
+
+    params: placed arrays, or ShapeDtypeStructs with shardings (then everything is abstract).
+    param_specs: `sharding.partition_specs(params, rules, mesh)`. loss_fn: (params, batch, rng)
+    -> (loss_sum, metric sums incl. "count"), e.g. `jaxlm.train.loss.lm_loss_fn(model)`.
+    trainable_dtype: the adapters' dtype (the precision policy's master dtype).
+    """
+    abstract = _is_abstract(params)
+    if lora is not None:
+        trainable = make_adapters(params, param_specs, mesh, lora, seed=seed,
+                                  dtype=trainable_dtype, abstract=abstract)
+        frozen, merge = params, lora_lib.merge
+    else:
+        trainable, frozen, merge = params, None, None
+    state = init_state(trainable, optimizer, mesh, seed=seed, abstract=abstract)
+    batch_shd = micro_batch_sharding(mesh, accum_steps)
+    step = make_train_step(loss_fn, optimizer, merge=merge, accum_steps=accum_steps,
+                           state_shardings=shardings_of(state),
+                           frozen_shardings=None if frozen is None else shardings_of(frozen),
+                           batch_shardings=batch_shd, mesh=mesh)
+    return Trainer(state=state, frozen=frozen, step=step, batch_sharding=batch_shd)
+
+
+def abstract_batch(batch_size: int, sequence_length: int, sharding_, accum_steps: int = 1,
+                   keys=("token_ids", "padding_mask")) -> dict:
+    """ShapeDtypeStructs of an LM batch [B, L+1] ([A, B, L+1] when accumulating), for lowering."""
+    shape = ((accum_steps,) if accum_steps > 1 else ()) + (batch_size, sequence_length + 1)
+    dtypes = {"token_ids": jnp.int32, "padding_mask": jnp.bool_}
+    return {k: jax.ShapeDtypeStruct(shape, dtypes.get(k, jnp.int32), sharding=sharding_) for k in keys}
+
+
+__all__ = ["LoraSpec", "Trainer", "build", "init_state", "make_adapters", "abstract_batch"]
