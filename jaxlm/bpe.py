@@ -10,11 +10,11 @@ split regex and those four as added special tokens gives the same ids (tests che
 from __future__ import annotations
 
 import json
-import os
 
+from jaxlm import storage
 from jaxlm.errors import UserError
 
-ASSETS = os.path.join("assets", "tokenizer")
+ASSETS = "assets/tokenizer"
 SPECIALS = ("<s>", "<pad>", "</s>", "<mask>")  # KerasHub's unsplittable tokens
 
 
@@ -68,15 +68,14 @@ class BPETokenizer:
 
     def save(self, directory: str) -> None:
         """vocabulary.json + merges.txt into `directory` (a jaxlm folder's tokenizer/)."""
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "vocabulary.json"), "w", encoding="utf-8") as f:
-            json.dump(self.vocabulary, f, ensure_ascii=False)
-        with open(os.path.join(directory, "merges.txt"), "w", encoding="utf-8") as f:
-            f.write("\n".join(self.merges) + "\n")
+        storage.makedirs(directory)
+        storage.write_text(storage.join(directory, "vocabulary.json"),
+                           json.dumps(self.vocabulary, ensure_ascii=False))
+        storage.write_text(storage.join(directory, "merges.txt"), "\n".join(self.merges) + "\n")
 
     def save_keras_assets(self, preset_dir: str) -> None:
         """tokenizer.json + assets/tokenizer/{vocabulary.json,merges.txt}, as RobertaTokenizer saves."""
-        self.save(os.path.join(preset_dir, ASSETS))
+        self.save(storage.join(preset_dir, ASSETS))
         from jaxlm.convert.keras_preset import write_tokenizer_json
         write_tokenizer_json(preset_dir, "keras_hub.src.models.roberta.roberta_tokenizer",
                              "RobertaTokenizer", "roberta_tokenizer", sequence_length=None,
@@ -87,16 +86,15 @@ class BPETokenizer:
 def load_bpe(path: str) -> BPETokenizer | None:
     """The BPE tokenizer in `path` (itself, its assets/tokenizer/ or tokenizer/), or None."""
     for sub in ("", ASSETS, "tokenizer"):
-        d = os.path.join(path, sub)
-        vocab, merges = os.path.join(d, "vocabulary.json"), os.path.join(d, "merges.txt")
-        if os.path.exists(vocab) and os.path.exists(merges):
+        d = storage.join(path, sub) if sub else path
+        vocab, merges = storage.join(d, "vocabulary.json"), storage.join(d, "merges.txt")
+        if storage.exists(vocab) and storage.exists(merges):
             try:
-                with open(vocab, encoding="utf-8") as f:
-                    vocabulary = json.load(f)
+                vocabulary = json.loads(storage.read_text(vocab))
             except json.JSONDecodeError as e:
                 raise UserError(f"{vocab} is not valid JSON ({e})") from None
-            with open(merges, encoding="utf-8") as f:
-                # GPT-2's merges.txt may start with a "#version" line; blank lines carry nothing.
-                lines = [l.rstrip("\n") for l in f if l.strip() and not l.startswith("#version")]
+            # GPT-2's merges.txt may start with a "#version" line; blank lines carry nothing.
+            lines = [l for l in storage.read_text(merges).splitlines()
+                     if l.strip() and not l.startswith("#version")]
             return BPETokenizer(vocabulary, lines)
     return None

@@ -9,18 +9,22 @@ Orbax writes each step into `<step>.orbax-checkpoint-tmp-<t>/` and renames it af
 `commit_success.txt`, so a step folder is complete iff it has that file. A crash mid-save (kill
 -9, preemption) leaves a tmp folder or, on filesystems without atomic rename, a step folder with
 no commit file; `sweep_incomplete` warns and moves such folders out of the way (never deleting
-what the user might want to inspect), so they are never loaded.
+what the user might want to inspect), so they are never loaded. (On Cloud Storage orbax writes
+the step folder in place and the commit file last, so the same test applies.)
+
+`directory` may be a local path or a URL (`gs://bucket/run/checkpoints`): orbax writes arrays
+through tensorstore and everything else through etils.epath, as `jaxlm.storage` does.
 """
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 
 import jax
 import orbax.checkpoint as ocp
 
+from jaxlm import storage
 from jaxlm.errors import UserError
 
 log = logging.getLogger("jaxlm")
@@ -37,18 +41,18 @@ def sweep_incomplete(directory: str) -> list[str]:
 
     Returns the folder names moved (and prints one warning line for them).
     """
-    if not os.path.isdir(directory) or jax.process_index() != 0:
+    if jax.process_index() != 0 or not storage.isdir(directory):
         return []
-    bad = sorted(n for n in os.listdir(directory)
-                 if os.path.isdir(os.path.join(directory, n))
-                 and (ocp_tmp(n) or (_is_step_dir(n)
-                                     and not os.path.exists(os.path.join(directory, n, COMMIT_FILE)))))
+    bad = [n for n in storage.listdir(directory)
+           if storage.isdir(storage.join(directory, n))
+           and (ocp_tmp(n) or (_is_step_dir(n)
+                               and not storage.exists(storage.join(directory, n, COMMIT_FILE))))]
     if not bad:
         return []
-    aside = os.path.join(os.path.dirname(os.path.abspath(directory)), INCOMPLETE_DIR)
-    os.makedirs(aside, exist_ok=True)
+    aside = storage.join(storage.parent(directory), INCOMPLETE_DIR)
+    storage.makedirs(aside)
     for n in bad:
-        os.replace(os.path.join(directory, n), os.path.join(aside, f"{n}.{time.time_ns()}"))
+        storage.rename(storage.join(directory, n), storage.join(aside, f"{n}.{time.time_ns()}"))
     log.warning("checkpoint: ignored %d incomplete checkpoint(s) cut short by a crash (%s); "
                 "moved to %s", len(bad), ", ".join(bad), aside)
     return bad
@@ -60,17 +64,15 @@ def ocp_tmp(name: str) -> bool:
 
 def complete_steps(directory: str) -> list[int]:
     """Steps whose folder is complete (committed), ascending."""
-    if not os.path.isdir(directory):
-        return []
-    return sorted(int(n) for n in os.listdir(directory)
-                  if _is_step_dir(n) and os.path.exists(os.path.join(directory, n, COMMIT_FILE)))
+    return sorted(int(n) for n in storage.listdir(directory)
+                  if _is_step_dir(n) and storage.exists(storage.join(directory, n, COMMIT_FILE)))
 
 
 def manager(directory: str, *, keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:
     """An orbax CheckpointManager keeping the last `keep` steps; sweeps crash leftovers first."""
     if keep < 1:
         raise UserError(f"--keep={keep}: keep at least 1 checkpoint")
-    directory = os.path.abspath(directory)
+    directory = storage.absolute(directory)
     sweep_incomplete(directory)
     if jax.process_count() > 1:  # the others must not list steps while host 0 moves folders
         from jax.experimental import multihost_utils
@@ -131,10 +133,10 @@ def resume(mngr: ocp.CheckpointManager, like_state: dict, fingerprint: dict, out
 def save_tree(path: str, tree) -> None:
     """Write one tree (e.g. the final adapters) as a standalone orbax checkpoint at `path`."""
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.abspath(path), tree, force=True)
+        ckptr.save(storage.absolute(path), tree, force=True)
 
 
 def load_tree(path: str, like=None):
     """Read a tree written by `save_tree` (onto `like`'s shardings when given)."""
     with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(os.path.abspath(path), None if like is None else abstract_like(like))
+        return ckptr.restore(storage.absolute(path), None if like is None else abstract_like(like))

@@ -10,7 +10,10 @@ never imports TensorFlow at run time, so `EPATH_USE_TF` is set to false before e
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("EPATH_USE_TF", "false")
 
@@ -117,3 +120,43 @@ def remove_tree(p) -> None:
 
 def size(p) -> int:
     return path(p).stat().length
+
+
+@contextlib.contextmanager
+def writing(p, suffix: str = ""):
+    """A local file path to write `p` through, for libraries that only write local files (h5py,
+    sentencepiece): on success it is renamed into place (local, atomic) or uploaded (URL); on
+    failure nothing appears at `p`."""
+    target = os.fspath(p)
+    local_dir = None if is_url(target) else os.path.dirname(os.path.abspath(target))
+    if local_dir is not None:
+        os.makedirs(local_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=suffix or ".tmp", prefix=".jaxlm-", dir=local_dir)
+    os.close(fd)
+    try:
+        yield tmp
+        if local_dir is not None:
+            os.replace(tmp, target)
+        else:
+            with open(tmp, "rb") as src, open_file(target, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 24)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+@contextlib.contextmanager
+def local(p):
+    """A local path holding `p`'s bytes, for libraries that only read local files (the gguf
+    reader memory-maps its file): `p` itself when local, else a downloaded temporary copy."""
+    source = os.fspath(p)
+    if not is_url(source):
+        yield source
+        return
+    fd, tmp = tempfile.mkstemp(prefix=".jaxlm-", suffix="-" + basename(source))
+    try:
+        with os.fdopen(fd, "wb") as dst, open_file(source, "rb") as src:
+            shutil.copyfileobj(src, dst, 1 << 24)
+        yield tmp
+    finally:
+        os.remove(tmp)

@@ -12,13 +12,13 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import shutil
 
 import sentencepiece as spm
 
+from jaxlm import storage
 from jaxlm.errors import UserError
 
-SPM_ASSET = os.path.join("assets", "tokenizer", "vocabulary.spm")
+SPM_ASSET = "assets/tokenizer/vocabulary.spm"
 
 
 class Tokenizer:
@@ -51,15 +51,14 @@ class Tokenizer:
         return self.sp.decode([int(i) for i in ids if int(i) not in self.special_ids])
 
     def save(self, directory: str) -> None:
-        """Write `vocabulary.spm` into `directory` (a jaxlm folder's tokenizer/)."""
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "vocabulary.spm"), "wb") as f:
-            f.write(self.proto)
+        """Write `vocabulary.spm` into `directory` (a jaxlm folder's tokenizer/; local or URL)."""
+        storage.makedirs(directory)
+        storage.write_bytes(storage.join(directory, "vocabulary.spm"), self.proto)
 
     def save_keras_assets(self, preset_dir: str) -> None:
         """tokenizer.json + assets/tokenizer/vocabulary.spm, as KerasHub's GemmaTokenizer saves."""
         from jaxlm.convert.keras_preset import write_tokenizer_json
-        self.save(os.path.join(preset_dir, "assets", "tokenizer"))
+        self.save(storage.join(preset_dir, "assets", "tokenizer"))
         write_tokenizer_json(preset_dir, "keras_hub.src.models.gemma.gemma_tokenizer", "GemmaTokenizer",
                              "gemma_tokenizer", proto=None, sequence_length=None, add_bos=False,
                              add_eos=False)
@@ -75,7 +74,7 @@ def load_tokenizer(path: str):
     if gguf_file is not None:
         from jaxlm.convert import gguf
         return Tokenizer(gguf.tokenizer_proto(gguf.open_reader(gguf_file)))
-    if not os.path.exists(path):
+    if not storage.exists(path):
         if families.preset(path) is not None:
             fam, cfg = families.preset(path)
             if fam.name != "gemma":
@@ -83,16 +82,15 @@ def load_tokenizer(path: str):
                                 "`python -m jaxlm.tokenizer train` or pass a preset folder")
             return default_tokenizer(cfg.vocab_size)
         raise UserError(f"tokenizer path {path} does not exist")
-    if os.path.isdir(path):
-        for rel in (SPM_ASSET, os.path.join("tokenizer", "vocabulary.spm")):
-            if os.path.exists(os.path.join(path, rel)):
-                return load_tokenizer(os.path.join(path, rel))
+    if storage.isdir(path):
+        for rel in (SPM_ASSET, "tokenizer/vocabulary.spm"):
+            if storage.exists(storage.join(path, rel)):
+                return load_tokenizer(storage.join(path, rel))
         bpe = _maybe_bpe(path)
         if bpe is not None:
             return bpe
         raise UserError(f"{path} holds no tokenizer (expected {SPM_ASSET} or tokenizer/vocabulary.spm)")
-    with open(path, "rb") as f:
-        return Tokenizer(f.read())
+    return Tokenizer(storage.read_bytes(path))
 
 
 def _maybe_bpe(path: str):
@@ -139,13 +137,6 @@ def train_gemma_layout(lines: list[str], vocab_size: int) -> bytes:
 def _pydoc_corpus() -> str:
     from pydoc_data import topics
     return "\n".join(topics.topics[k] for k in sorted(topics.topics))
-
-
-def copy_tokenizer_files(src_dir: str, dst_dir: str) -> None:
-    """Copy a preset's assets/tokenizer/ tree as-is (used by conversion)."""
-    src = os.path.join(src_dir, "assets", "tokenizer")
-    if os.path.isdir(src):
-        shutil.copytree(src, dst_dir, dirs_exist_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:

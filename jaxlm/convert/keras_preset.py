@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 from typing import Callable
 
 import h5py
@@ -20,7 +19,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxlm import families
+from jaxlm import families, storage
 from jaxlm.errors import UserError
 from jaxlm.tree import flatten, place_streamed
 
@@ -29,10 +28,9 @@ TASK_PREFIX = "task:"  # a family's keras_paths value with this prefix lives in 
 
 def read_config(preset_dir: str):
     """-> (family, config) from a preset's config.json (keras_hub> and keras_nlp> names)."""
-    path = os.path.join(preset_dir, "config.json")
+    path = storage.join(preset_dir, "config.json")
     try:
-        with open(path) as f:
-            raw = json.load(f)
+        raw = json.loads(storage.read_text(path))
     except FileNotFoundError:
         raise UserError(f"{preset_dir} is not a Keras preset folder: it has no config.json") from None
     except json.JSONDecodeError as e:
@@ -65,10 +63,11 @@ class H5Store:
 
     def _h5(self, path: str) -> h5py.File:
         if path not in self._open:
-            if not os.path.exists(path):
+            if not storage.exists(path):
                 raise UserError(f"weights file {path} does not exist")
-            try:
-                self._open[path] = h5py.File(path, "r")
+            try:  # a URL is read through its file object, range by range
+                self._open[path] = h5py.File(storage.open_file(path, "rb") if storage.is_url(path)
+                                             else path, "r")
             except OSError as e:
                 raise UserError(f"{path} is truncated or not an HDF5 weights file ({e}); "
                                 "copy or download it again") from None
@@ -79,15 +78,14 @@ class H5Store:
         if src is None:
             raise UserError(f"the preset has no {role}.weights.h5, needed for {key}")
         if src.endswith(".json"):  # sharded: {"weight_map": {"/layers/…/vars": "model_00000.weights.h5"}}
-            with open(src) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = json.loads(storage.read_text(src))["weight_map"]
             group = "/" + key.rsplit("/", 1)[0]
             shard = weight_map.get(group)
             if shard is None:
                 raise UserError(f"{src} lists no shard for {group}; the index is incomplete")
             shards = shard if isinstance(shard, list) else [shard]
             for s in shards:
-                h5 = self._h5(os.path.join(os.path.dirname(src), s))
+                h5 = self._h5(storage.join(storage.parent(src), s))
                 if key in h5:
                     return h5, key
             raise UserError(f"{key} is in none of its shards {shards}")
@@ -133,12 +131,12 @@ def weight_files(preset_dir: str, weights: str | None = None) -> dict[str, str]:
     files = {}
     for role in ("model", "task"):
         for ext in (".weights.h5", ".weights.json"):
-            p = os.path.join(preset_dir, role + ext)
-            if os.path.exists(p):
+            p = storage.join(preset_dir, role + ext)
+            if storage.exists(p):
                 files[role] = p
                 break
     if weights is not None:
-        if not os.path.exists(weights):
+        if not storage.exists(weights):
             raise UserError(f"weights file {weights} does not exist")
         files["model"] = weights
         files.setdefault("task", weights)
@@ -163,8 +161,9 @@ def read_params(family, config, files: dict[str, str], abstract: dict,
 
 
 def write_preset(family, config, params: dict, out_dir: str, tokenizer=None) -> None:
-    """Write a Keras preset folder that `keras_hub.models.*.from_preset(out_dir)` loads."""
-    os.makedirs(out_dir, exist_ok=True)
+    """Write a Keras preset folder that `keras_hub.models.*.from_preset(out_dir)` loads (a local
+    folder or a URL; each .h5 is written to a local temporary file first)."""
+    storage.makedirs(out_dir)
     flat = flatten(params)
     paths = family.keras_paths(config)
     by_role: dict[str, dict[str, str]] = {}
@@ -172,8 +171,8 @@ def write_preset(family, config, params: dict, out_dir: str, tokenizer=None) -> 
         role = "task" if theirs.startswith(TASK_PREFIX) else "model"
         by_role.setdefault(role, {})[theirs.removeprefix(TASK_PREFIX)] = ours
     for role, entries in by_role.items():
-        tmp = os.path.join(out_dir, f".{role}.weights.h5.tmp")
-        with h5py.File(tmp, "w") as h5:
+        with storage.writing(storage.join(out_dir, f"{role}.weights.h5"), ".h5") as tmp, \
+                h5py.File(tmp, "w") as h5:
             h5.create_group("vars")
             for key, ours in entries.items():
                 arr = np.asarray(jax.device_get(flat[ours]))
@@ -184,10 +183,9 @@ def write_preset(family, config, params: dict, out_dir: str, tokenizer=None) -> 
                     ds.attrs["dtype"] = "bfloat16"
                 else:
                     group.create_dataset(key.rsplit("/", 1)[1], data=arr)
-        os.replace(tmp, os.path.join(out_dir, f"{role}.weights.h5"))
-    _write_json(os.path.join(out_dir, "config.json"), family.config_to_keras(config))
+    _write_json(storage.join(out_dir, "config.json"), family.config_to_keras(config))
     count = sum(int(np.prod(np.shape(v))) for v in flat.values())
-    _write_json(os.path.join(out_dir, "metadata.json"), {
+    _write_json(storage.join(out_dir, "metadata.json"), {
         "keras_version": "3", "keras_hub_version": "0", "parameter_count": count,
         "date_saved": datetime.datetime.now().strftime("%Y-%m-%d@%H:%M:%S"),
         "tasks": list(family.keras_tasks), "exported_by": "jaxlm"})
@@ -205,7 +203,7 @@ def dtype_policy(name: str) -> dict:
 
 def write_tokenizer_json(preset_dir: str, module: str, class_name: str, name: str, **config) -> None:
     """tokenizer.json for a KerasHub tokenizer class; its vocabulary lives in assets/tokenizer/."""
-    _write_json(os.path.join(preset_dir, "tokenizer.json"), {
+    _write_json(storage.join(preset_dir, "tokenizer.json"), {
         "module": module, "class_name": class_name,
         "config": {"name": name, "trainable": True, "dtype": dtype_policy("int32"),
                    "config_file": "tokenizer.json", **config},
@@ -213,5 +211,4 @@ def write_tokenizer_json(preset_dir: str, module: str, class_name: str, name: st
 
 
 def _write_json(path, obj):
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=4)
+    storage.write_text(path, json.dumps(obj, indent=4))

@@ -12,8 +12,8 @@ be loaded through `jaxlm.load`, which needs every parameter: the error names the
 from __future__ import annotations
 
 import json
-import os
 
+from jaxlm import storage
 from jaxlm.convert.keras_preset import dtype_policy
 from jaxlm.errors import UserError
 from jaxlm.families import Family, register
@@ -85,10 +85,9 @@ def write_task_json(cfg: RobertaConfig, preset_dir: str) -> None:
     The preprocessor is included when the folder holds RoBERTa's BPE tokenizer.json.
     """
     preprocessor = None
-    tok_path = os.path.join(preset_dir, "tokenizer.json")
-    if os.path.exists(tok_path):
-        with open(tok_path) as f:
-            tokenizer = json.load(f)
+    tok_path = storage.join(preset_dir, "tokenizer.json")
+    if storage.exists(tok_path):
+        tokenizer = json.loads(storage.read_text(tok_path))
         if tokenizer.get("class_name") == "RobertaTokenizer":
             preprocessor = {
                 "module": "keras_hub.src.models.roberta.roberta_masked_lm_preprocessor",
@@ -103,8 +102,7 @@ def write_task_json(cfg: RobertaConfig, preset_dir: str) -> None:
             "config": {"backbone": config_to_keras(cfg), "preprocessor": preprocessor,
                        "name": "roberta_masked_lm", "trainable": True},
             "registered_name": "keras_hub>RobertaMaskedLM"}
-    with open(os.path.join(preset_dir, "task.json"), "w") as f:
-        json.dump(task, f, indent=4)
+    storage.write_text(storage.join(preset_dir, "task.json"), json.dumps(task, indent=4))
 
 
 FAMILY = register(Family(

@@ -13,7 +13,6 @@ KerasHub's `load_lora_weights` fills the layers its own `enable_lora(rank)` enab
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import jax.numpy as jnp
