@@ -14,10 +14,17 @@ the step folder in place and the commit file last, so the same test applies.)
 
 `directory` may be a local path or a URL (`gs://bucket/run/checkpoints`): orbax writes arrays
 through tensorstore and everything else through etils.epath, as `jaxlm.storage` does.
+
+Arrays go into orbax's default OCDBT store (one small database of chunks per process). OCDBT
+updates its manifest with conditional writes, so it needs an object store that honours
+generation preconditions; `JAXLM_OCDBT=0` writes one plain zarr array per tensor instead, for
+stores that do not (the Cloud Storage emulator the tests run against, some S3-compatible
+stores). Restores read either layout.
 """
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 
@@ -68,6 +75,16 @@ def complete_steps(directory: str) -> list[int]:
                   if _is_step_dir(n) and storage.exists(storage.join(directory, n, COMMIT_FILE)))
 
 
+def use_ocdbt() -> bool:
+    """Whether arrays are written to OCDBT (the default) or as plain zarr (JAXLM_OCDBT=0)."""
+    return os.environ.get("JAXLM_OCDBT", "1").lower() not in ("0", "false", "no", "off")
+
+
+def checkpointer() -> ocp.Checkpointer:
+    """A synchronous orbax checkpointer of one tree (`save_tree`, jaxlm folders)."""
+    return ocp.Checkpointer(ocp.StandardCheckpointHandler(use_ocdbt=use_ocdbt()))
+
+
 def manager(directory: str, *, keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:
     """An orbax CheckpointManager keeping the last `keep` steps; sweeps crash leftovers first."""
     if keep < 1:
@@ -79,7 +96,9 @@ def manager(directory: str, *, keep: int = 3, async_save: bool = True) -> ocp.Ch
         multihost_utils.sync_global_devices("jaxlm.checkpoint.sweep")
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                            create=True)
-    return ocp.CheckpointManager(directory, options=options, item_names=("state", "meta"))
+    return ocp.CheckpointManager(directory, options=options, item_handlers={
+        "state": ocp.StandardCheckpointHandler(use_ocdbt=use_ocdbt()),
+        "meta": ocp.JsonCheckpointHandler()})
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: dict, meta: dict) -> None:
@@ -132,11 +151,12 @@ def resume(mngr: ocp.CheckpointManager, like_state: dict, fingerprint: dict, out
 
 def save_tree(path: str, tree) -> None:
     """Write one tree (e.g. the final adapters) as a standalone orbax checkpoint at `path`."""
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(storage.absolute(path), tree, force=True)
+    with checkpointer() as ckptr:
+        ckptr.save(storage.absolute(path), args=ocp.args.StandardSave(tree), force=True)
 
 
 def load_tree(path: str, like=None):
     """Read a tree written by `save_tree` (onto `like`'s shardings when given)."""
-    with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(storage.absolute(path), None if like is None else abstract_like(like))
+    with checkpointer() as ckptr:
+        return ckptr.restore(storage.absolute(path), args=ocp.args.StandardRestore(
+            None if like is None else abstract_like(like)))

@@ -30,7 +30,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxlm import families, precision, storage
+from jaxlm import checkpoint, families, precision, storage
 from jaxlm.convert import keras_preset
 from jaxlm.errors import UserError
 from jaxlm.tree import flatten, place_streamed, unflatten
@@ -179,8 +179,8 @@ def save(out_dir: str, model, params: dict, tokenizer=None) -> None:
     family = families.by_config(model.config)
     storage.makedirs(out_dir)
     ckpt = storage.absolute(storage.join(out_dir, "params"))
-    with ocp.StandardCheckpointer() as ckptr:  # collective: every host writes its shards
-        ckptr.save(ckpt, params, force=True)
+    with checkpoint.checkpointer() as ckptr:  # collective: every host writes its shards
+        ckptr.save(ckpt, args=ocp.args.StandardSave(params), force=True)
     if jax.process_index() != 0:  # the plain files once, from one host
         return
     config = model.config.to_dict()
@@ -215,8 +215,8 @@ def _restore_folder_params(path: str, shapes: dict, placement: Placement | None)
     target = unflatten({p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement(p, s.shape))
                         for p, s in shapes.items()})
     try:
-        with ocp.StandardCheckpointer() as ckptr:
-            return ckptr.restore(ckpt, target)
+        with checkpoint.checkpointer() as ckptr:
+            return ckptr.restore(ckpt, args=ocp.args.StandardRestore(target))
     except (ValueError, FileNotFoundError, OSError) as e:
         raise UserError(f"cannot restore {ckpt}: {str(e).splitlines()[0]}; "
                         "the folder is incomplete or from another config — convert again") from None

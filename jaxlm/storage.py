@@ -106,8 +106,17 @@ def write_bytes(p, data: bytes) -> None:
 
 
 def rename(src, dst) -> None:
-    """Move `src` to `dst` (atomic on a local filesystem; a copy then delete on object stores)."""
-    path(src).rename(path(dst))
+    """Move file or folder `src` to `dst`: atomic on a local filesystem; on an object store
+    (which has no folders, only names) a copy of every object under `src`, then a delete."""
+    src, dst = os.fspath(src), os.fspath(dst)
+    if not is_url(src):
+        os.replace(src, dst)
+        return
+    import fsspec
+    fs, _ = fsspec.core.url_to_fs(src)
+    fs.copy(src, dst, recursive=True)  # server-side copies (rewriteTo on Cloud Storage)
+    fs.rm(src, recursive=True)
+    fs.invalidate_cache()  # else a cached listing still shows `src` to orbax in this process
 
 
 def remove_tree(p) -> None:

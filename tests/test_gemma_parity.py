@@ -33,6 +33,20 @@ def test_float32_logits_match_keras(keras_gemma_preset, kv_heads):
     assert np.abs(out - ref)[mask].max() <= 1e-4
 
 
+def test_query_head_dim_normalize_false_matches_what_kerashub_computes(keras_gemma_preset, capsys):
+    """KerasHub 0.32's GemmaDecoderBlock ignores the backbone's query_head_dim_normalize=False
+    (it always scales by 1/sqrt(head_dim)); jaxlm matches what KerasHub computes and says so."""
+    path, backbone = keras_gemma_preset("gemma_qnorm", num_key_value_heads=2, head_dim=16,
+                                        query_head_dim_normalize=False)  # hidden/heads = 8 != 16
+    ids, mask = ragged_batch(backbone.vocabulary_size, LENGTHS, WIDTH)
+    ref = keras_logits(backbone, ids, mask)
+    capsys.readouterr()
+    out = jaxlm_logits(path, ids, mask, dtype="float32")
+    warned = [l for l in capsys.readouterr().err.splitlines() if "query_head_dim_normalize" in l]
+    assert len(warned) == 1 and warned[0].startswith("warning:")
+    assert np.abs(out - ref)[mask].max() <= 1e-4
+
+
 def test_bfloat16_logits_match_keras_within_bf16_tolerance(keras_gemma_preset):
     import keras_hub
     path, _ = keras_gemma_preset("gemma_bf16", num_key_value_heads=1)

@@ -16,9 +16,12 @@ gguf = pytest.importorskip("gguf")
 SMALL = dict(vocab=512, layers=7, heads=4, kv=2, hidden=32, ffw=48, head_dim=8, window=4)
 
 
-def write_gguf(path, params, arch="gemma3", tokenizer=None, s=SMALL):
-    """Write our tree as llama.cpp's converter would: torch [out, in] layouts, norms stored as 1 + w."""
+def write_gguf(path, params, arch="gemma3", tokenizer=None, s=SMALL, extra=None):
+    """Write our tree as llama.cpp's converter would: torch [out, in] layouts, norms stored as 1 + w.
+    extra: {key: float32 value} metadata added as is."""
     w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (extra or {}).items():
+        w.add_float32(key, value)
     w.add_block_count(s["layers"])
     w.add_context_length(1024)
     w.add_embedding_length(s["hidden"])
@@ -95,6 +98,26 @@ def test_synthetic_gguf_loads_exactly(small_gemma3, spm_tokenizer):
     # (encoding equal to the original tokenizer is checked on the real Gemma vocabulary vs HF below)
     ids = tok.encode(text)
     assert ids[0] == 2 and tok.vocab_size == SMALL["vocab"] and tok.decode(ids) == text
+
+
+def test_attention_scale_follows_the_file(small_gemma3, spm_tokenizer, tmp_path):
+    """The query scale is what llama.cpp runs the file with: `{arch}.attention.scale` when the
+    file has it, 1/sqrt(hidden / heads) for the 27B sizes, else 1/sqrt(head_dim)."""
+    from jaxlm.convert import gguf as ours
+    path, cfg, params = small_gemma3
+    assert cfg.query_pre_attn_scalar is None and jaxlm.load(str(path), abstract=True)[0].config == cfg
+    write_gguf(tmp_path / "scaled.gguf", params, tokenizer=spm_tokenizer,
+               extra={"gemma3.attention.scale": 0.25})
+    model, loaded = jaxlm.load(str(tmp_path / "scaled.gguf"))
+    assert model.config.query_pre_attn_scalar == pytest.approx(16.0)  # 0.25 = 16 ** -0.5
+    ids = jnp.asarray([[2, 5, 9, 14, 20, 7, 3, 11]])
+    assert not np.allclose(model.apply({"params": loaded}, ids),
+                           type(model)(cfg).apply({"params": loaded}, ids), atol=1e-4)
+    key = lambda name, default=None: None  # noqa: E731  a file without attention.scale
+    big = dict(num_layers=62, hidden_dim=5376, num_heads=32)  # Gemma 3 27B: head_dim 128
+    assert ours.query_pre_attn_scalar("gemma3", key, big) == 168
+    assert ours.query_pre_attn_scalar("gemma2", key, dict(big, num_layers=46, hidden_dim=4608)) == 144
+    assert ours.query_pre_attn_scalar("gemma3", key, dict(big, num_layers=18)) is None
 
 
 def test_unsupported_architecture(small_gemma3, spm_tokenizer, tmp_path):

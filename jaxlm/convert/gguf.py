@@ -70,6 +70,7 @@ def config_kwargs(reader) -> dict:
         # stored as float32: its shortest repr recovers the intended 1e-06
         norm_eps=float(str(np.float32(k("attention.layer_norm_rms_epsilon", 1e-6)))),
         rope_base=float(k("rope.freq_base", 10_000.0)))
+    kwargs["query_pre_attn_scalar"] = query_pre_attn_scalar(arch, k, kwargs)
     if arch == "gemma2":
         kwargs.update(use_post_attention_norm=True, use_post_ffw_norm=True,
                       attention_logit_soft_cap=k("attn_logit_softcapping", 50.0),
@@ -85,6 +86,24 @@ def config_kwargs(reader) -> dict:
         if scaling:
             kwargs["global_rope_scaling_factor"] = float(scaling)
     return kwargs
+
+
+# llama.cpp's converters do not store Gemma 2/3's query_pre_attn_scalar; its loader keys the
+# attention scale on the model size instead: 1/sqrt(hidden / heads) for the 27B models (46
+# layers for Gemma 2, 62 for Gemma 3, whose query_pre_attn_scalar is hidden / heads: 144, 168),
+# 1/sqrt(head_dim) for every other size. A file that does carry `{arch}.attention.scale` wins.
+_HIDDEN_OVER_HEADS_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def query_pre_attn_scalar(arch: str, key, kwargs: dict) -> float | None:
+    """The query scale's denominator (queries x its -1/2 power) as llama.cpp runs this file;
+    None means head_dim."""
+    scale = key("attention.scale")
+    if scale:
+        return 1.0 / float(scale) ** 2
+    if kwargs["num_layers"] == _HIDDEN_OVER_HEADS_LAYERS.get(arch):
+        return kwargs["hidden_dim"] / kwargs["num_heads"]
+    return None
 
 
 def read_params(reader, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int) -> dict:

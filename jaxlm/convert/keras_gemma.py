@@ -8,6 +8,8 @@ queries and keys.
 """
 from __future__ import annotations
 
+import sys
+
 from jaxlm.convert.keras_preset import dtype_policy
 from jaxlm.errors import UserError
 from jaxlm.families import Family, register
@@ -56,6 +58,12 @@ def config_from_keras(c: dict) -> GemmaConfig:
     """Backbone constructor arguments -> GemmaConfig (missing keys take Keras' defaults)."""
     if "local_rope_scaling_factor" in c or "use_query_key_norm" in c:  # only Gemma3Backbone has them
         return _gemma3_from_keras(c)
+    if c.get("query_head_dim_normalize", True) is False:
+        # keras-hub's GemmaDecoderBlock passes query_head_dim_normalize=True to its attention
+        # whatever the backbone says; match what KerasHub computes (weights trained there).
+        print("warning: this GemmaBackbone config has query_head_dim_normalize=False, which "
+              "KerasHub ignores (it scales queries by 1/sqrt(head_dim)); jaxlm does the same",
+              file=sys.stderr)
     try:
         window = c.get("sliding_window_size", 4096) if c.get("use_sliding_window_attention") else None
         return GemmaConfig(

@@ -1,0 +1,162 @@
+"""The precision policy: float32 master weights and Adam moments under bfloat16 compute.
+
+CI runs on CPU, where the default is float32 everywhere; `--compute_dtype=bfloat16` gives the
+accelerator default (float32 master weights, bfloat16 compute, the LoRA base frozen in
+bfloat16) on any platform, which is how these tests see what a TPU or GPU run does.
+"""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import jaxlm
+import sharding
+from jaxlm import data, precision
+from jaxlm.errors import UserError
+from jaxlm.train import loss as L, optim, trainer
+from test_train_cli import finished, launch
+
+QUICK = ["--preset=gemma_tiny", "--mesh=1x8", "--batch_size=8", "--sequence_length=16",
+         "--eval_examples=0", "--num_samples=0", "--steps=3", "--save_every=1", "--keep=3",
+         "--log_every=1", "--learning_rate=5e-5", "--compute_dtype=bfloat16"]
+
+
+def test_defaults_and_flags():
+    assert precision.resolve(platform="cpu") == precision.Policy()  # float32 everywhere
+    accel = precision.resolve(platform="tpu")
+    assert (accel.param, accel.compute, accel.frozen, accel.optimizer) == (
+        "float32", "bfloat16", "bfloat16", "float32")
+    assert precision.resolve(platform="gpu") == accel
+    assert precision.resolve(compute_dtype="bf16", platform="cpu") == accel
+    one = precision.resolve(dtype="bfloat16", platform="cpu")  # the old one-dtype shorthand
+    assert (one.param, one.compute, one.frozen) == ("bfloat16",) * 3
+    assert precision.warnings(one, lora=False) and not precision.warnings(accel, lora=True)
+    explicit = precision.resolve(param_dtype="float32", platform="tpu")
+    assert explicit.frozen == "float32"  # asked for float32 weights: the base is kept so
+    with pytest.raises(UserError, match="use one of float32, bfloat16, float16"):
+        precision.resolve(dtype="int8")
+
+
+def _checkpoint(out, step):
+    with ocp.StandardCheckpointer() as c:
+        return c.restore(os.path.join(out, "checkpoints", str(step), "state"))
+
+
+def _moved(a, b) -> float:
+    """Fraction of elements that differ between two versions of a tensor."""
+    return float(np.mean(np.asarray(a) != np.asarray(b)))
+
+
+def _leaves(tree):
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
+def _moments(state):
+    """(mu, nu) trees of the AdamW state inside the clip chain."""
+    found = [x for x in jax.tree.leaves(state["opt_state"], is_leaf=lambda x: hasattr(x, "mu"))
+             if hasattr(x, "mu")]
+    if not found:  # restored without a target: the chain comes back as nested containers
+        flat = {jax.tree_util.keystr(k): v for k, v in _leaves(state["opt_state"])}
+        mu = {k: v for k, v in flat.items() if "mu" in k}
+        nu = {k: v for k, v in flat.items() if "nu" in k}
+        return mu, nu
+    return found[0].mu, found[0].nu
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_every_trained_weight_and_both_moments_move_under_bfloat16_compute(tmp_path, lora_rank):
+    """At the seed's 5e-5, a bfloat16 master copy loses most updates (|w| >= 2^-6 cannot move
+    by 5e-5) and Adam's nu stops decaying; float32 master weights keep every one: steps 1 -> 2
+    and 2 -> 3 each change every trained weight and both moments, all float32 in the
+    checkpoint. ("Every" up to the rare element whose Adam update and weight decay cancel
+    below half an ulp in float32: a handful in 10^5; in bfloat16 about half of them stick.)"""
+    out = str(tmp_path / "run")
+    text = finished(launch(QUICK + [f"--lora_rank={lora_rank}", f"--out={out}"]))
+    assert "compute bfloat16" in text and "warning:" not in text
+    states = [_checkpoint(out, s) for s in (1, 2, 3)]
+    for before, after in zip(states, states[1:]):  # each step moves the weights and moments
+        for (path, a), (_, b) in zip(_leaves(before["trainable"]), _leaves(after["trainable"])):
+            assert a.dtype == np.float32, path
+            assert _moved(a, b) > 0.999, jax.tree_util.keystr(path)
+        for m1, m2 in zip(_moments(before), _moments(after)):
+            leaves1, leaves2 = jax.tree.leaves(m1), jax.tree.leaves(m2)
+            assert leaves1 and len(leaves1) == len(jax.tree.leaves(before["trainable"]))
+            for a, b in zip(leaves1, leaves2):
+                assert a.dtype == np.float32 and _moved(a, b) > 0.999
+    if lora_rank:  # the frozen base is stored where it is computed: bfloat16
+        assert "frozen base bfloat16" in text
+
+
+def test_one_dtype_shorthand_warns_and_shows_what_bfloat16_weights_lose(tmp_path):
+    """--dtype=bfloat16 (parameters and compute in one dtype, today's shorthand) warns, and its
+    bfloat16 weights do stick at 5e-5: the failure the float32 master weights above prevent."""
+    out = str(tmp_path / "run")
+    proc = launch([a for a in QUICK if not a.startswith("--compute_dtype")]
+                  + ["--dtype=bfloat16", "--lora_rank=0", f"--out={out}"])
+    _, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-2000:]
+    assert "warning: trainable weights and their Adam moments are bfloat16" in err
+    before, after = _checkpoint(out, 2), _checkpoint(out, 3)
+    kernel = lambda s: s["trainable"]["decoder_block_0"]["ffw_gating"]["kernel"]  # noqa: E731
+    assert kernel(after).dtype == jnp.bfloat16
+    assert _moved(kernel(before), kernel(after)) < 0.8  # in float32: > 0.999
+
+
+def _loss_after(policy, steps=50):
+    """Full fine-tune of gemma_tiny on the built-in tasks under `policy`; -> last 5 mean loss."""
+    mesh = sharding.make_mesh("1x8")
+    model, params = jaxlm.load("gemma_tiny", policy.compute, param_dtype=policy.param,
+                               placement=sharding.placement(mesh, sharding.rules_for(
+                                   jaxlm.load("gemma_tiny", abstract=True)[0].config), quiet=True))
+    tok = jaxlm.load_tokenizer("gemma_tiny")
+    train, _ = data.builtin_dataset()
+    ids, mask = data.pack(tok, data.format_examples(train, data.TEMPLATE), 40)
+    opt = optim.make_optimizer(optim.OptimConfig(learning_rate=3e-3, mu_dtype=policy.optimizer))
+    built = trainer.build(params, mesh, param_specs=sharding.partition_specs(
+        params, sharding.rules_for(model.config), mesh), loss_fn=L.lm_loss_fn(model),
+        optimizer=opt, trainable_dtype=policy.param)
+    state, losses = built.state, []
+    for s in range(steps):
+        state, m = built.step(state, None, data.host_batch(ids, mask, s, batch_size=8))
+        losses.append(float(m["loss"]))
+    return float(np.mean(losses[-5:])), losses[0]
+
+
+def test_mixed_precision_trains_like_float32():
+    f32, first32 = _loss_after(precision.resolve(platform="cpu"))
+    mixed, first16 = _loss_after(precision.resolve(platform="tpu"))
+    print(f"gemma_tiny, 50 full fine-tune steps: float32 loss {first32:.4f} -> {f32:.4f}, "
+          f"float32 master + bfloat16 compute {first16:.4f} -> {mixed:.4f}")
+    assert f32 < first32 - 1.0  # it learned
+    assert abs(mixed - f32) / f32 < 0.03
+
+
+def test_lora_alpha_is_evaluated_and_exported_as_trained(tmp_path):
+    """With --lora_alpha=16 the "after" evaluation, the exported adapters/ (loaded with no flag)
+    and the .lora.h5 all give the model that was trained."""
+    out = str(tmp_path / "alpha")
+    finished(launch(["--preset=gemma_tiny", "--mesh=1x8", "--lora_rank=4", "--lora_alpha=16",
+                     "--steps=6", "--batch_size=8", "--num_samples=2", "--eval_examples=8",
+                     "--learning_rate=0.05", f"--out={out}"]))
+    after = json.load(open(os.path.join(out, "eval_after.json")))
+    adapters = jaxlm.lora.load(os.path.join(out, "adapters"))
+    assert (adapters.rank, adapters.alpha) == (4, 16.0)
+    model, base = jaxlm.load("gemma_tiny")
+    tok = jaxlm.load_tokenizer("gemma_tiny")
+    prompts = list(after["samples"])
+    longest = max(len(tok.encode(p)) for p in prompts)
+    got = jaxlm.generate(model, base, tok, prompts, max_length=longest + 12, strip_prompt=True,
+                         adapters=adapters)
+    assert got == [after["samples"][p] for p in prompts]
+    # The scale matters: alpha 16 is not the default alpha = rank, and the .lora.h5 (alpha
+    # folded into B, as KerasHub reads it) merges to the same weights.
+    ids = jnp.asarray(np.arange(2, 18, dtype=np.int32)[None])
+    logits = lambda p: np.asarray(model.apply({"params": p}, ids))  # noqa: E731
+    trained = logits(jaxlm.lora.merge(base, adapters))
+    assert not np.allclose(trained, logits(jaxlm.lora.merge(base, adapters, alpha=4)), atol=1e-4)
+    keras = jaxlm.lora.load_keras_lora(os.path.join(out, "adapters.lora.h5"), model.config, base)
+    np.testing.assert_allclose(logits(jaxlm.lora.merge(base, keras)), trained, atol=1e-5)
