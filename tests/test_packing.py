@@ -1,5 +1,9 @@
 """--loss_on=response and --packing: hand-counted weights, the packing layout, and a packed batch
 giving the loss and gradients of the same examples unpacked on a sharded 2x4 step."""
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -200,3 +204,18 @@ def test_packed_rows_with_cudnn_attention_on_gpu():
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         g, r = np.asarray(g, np.float32), np.asarray(refs[path], np.float32)
         assert np.linalg.norm(g - r) / np.linalg.norm(r) < 5e-2, jax.tree_util.keystr(path)
+
+
+def test_packing_bench_runs_and_counts_real_tokens():
+    """bench/packing.py end to end on the toy (speed is not asserted: the lead runs the demo)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "bench/packing.py", "--preset=gemma_tiny", "--seq=64", "--batch=2",
+                        "--steps=1", "--warmup=1", "--rounds=1", "--rank=0"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [x for x in r.stdout.splitlines() if x.startswith("BENCH packing ")]
+    assert len(line) == 1, r.stdout
+    f = dict(x.split("=", 1) for x in line[0].split()[2:])
+    assert int(f["rows_packed"]) < int(f["rows_unpacked"]) and float(f["fill_packed"]) > float(f["fill_unpacked"])
+    assert float(f["packed"]) > 0 and float(f["unpacked"]) > 0 and f["unit"] == "tokens/s"
+    assert abs(float(f["ratio"]) - float(f["packed"]) / float(f["unpacked"])) < 1e-2
