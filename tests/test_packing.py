@@ -166,6 +166,20 @@ def test_packed_batch_gives_the_loss_and_gradients_of_the_examples_unpacked(para
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_rope_positions_come_from_the_batch():
+    """`positions` reach RoPE: positions with other gaps than the indices change the output,
+    shifted ones do not (RoPE is relative: restarting keeps each example's angles, and so their
+    rounding, as they were alone)."""
+    cfg = CFG.replace(num_layers=1, sliding_window_size=None)
+    ids = jax.random.randint(jax.random.key(0), (1, 6), 3, cfg.vocab_size)
+    p = Gemma(cfg).init(jax.random.key(1), ids)["params"]
+    apply = jax.jit(lambda pos: Gemma(cfg).apply({"params": p}, ids, positions=pos, return_hidden=True))
+    index = jnp.arange(6)[None]
+    base = np.asarray(apply(index))
+    np.testing.assert_allclose(np.asarray(apply(index + 5)), base, atol=1e-5)
+    assert not np.allclose(np.asarray(apply(2 * index)), base, atol=1e-3)
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_fused_attention_call_keeps_packed_examples_apart(window):
     """The cuDNN call's mask and window, run through XLA's implementation of the same API (no

@@ -7,7 +7,8 @@ Each example keeps the KerasHub layout it had alone (BOS + text + EOS) and is pl
 row; a row holds examples back to back, then padding. `segment_ids` numbers the examples of a
 row 1, 2, ... (0 = padding) and `positions` restarts at 0 with each example, so the model
 (`Gemma.__call__(..., segment_ids=, positions=)`) lets a token see only earlier tokens of its
-own example, at the RoPE positions it had alone. The first token of an example is never a
+own example, at the RoPE positions it had alone (RoPE depends on position differences only, so
+this keeps the rotation angles, and their rounding, those of the example alone). The first token of an example is never a
 target (it would be predicted from the previous example), so its `loss_mask` is cleared; all
 other targets keep the weight they had alone. Loss and gradients therefore equal those of the
 same examples unpacked (tests/test_packing.py checks it on a sharded step).
