@@ -35,7 +35,8 @@ from bench.train_step import interleaved  # noqa: E402
 from jaxlm import data, lora  # noqa: E402
 from jaxlm.train import cli, optim  # noqa: E402
 from jaxlm.train.loss import lm_loss_fn  # noqa: E402
-from jaxlm.train.step import init_state, make_train_step  # noqa: E402
+from jaxlm.train.step import make_train_step  # noqa: E402
+from jaxlm.train.trainer import init_state  # noqa: E402
 
 
 def demo_preset() -> str:

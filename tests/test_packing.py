@@ -16,7 +16,7 @@ from conftest import ragged_batch
 from jaxlm import data, lora
 from jaxlm.data import packing
 from jaxlm.errors import UserError
-from jaxlm.train import loss as L, step as S
+from jaxlm.train import loss as L, step as S, trainer as T
 from models import layers
 from models.gemma import Gemma, PRESETS
 
@@ -58,7 +58,7 @@ def test_loss_on_response_scores_only_the_answer_and_eos():
     batch["token_ids"] = batch["token_ids"] % CFG.vocab_size
     _, m = jax.jit(L.lm_loss_fn(model))(params, batch, None)
     assert float(m["count"]) == 3
-    logits = model.apply({"params": params}, batch["token_ids"][:, :-1], batch["padding_mask"][:, :-1])
+    logits = jax.jit(model.apply)({"params": params}, batch["token_ids"][:, :-1], batch["padding_mask"][:, :-1])
     weights = np.zeros((1, 12), np.float32)
     weights[0, [7, 8, 9]] = 1  # targets 8, 9, 10 are predicted at positions 7, 8, 9
     ref = L.naive_cross_entropy(logits, batch["token_ids"][:, 1:], weights)
@@ -151,7 +151,7 @@ def test_packed_batch_gives_the_loss_and_gradients_of_the_examples_unpacked(para
         frozen, merge = params, lora.merge
     else:
         trainable, frozen, merge = params, None, None
-    state = S.init_state(trainable, opt, 0, mesh)
+    state = T.init_state(trainable, opt, mesh)
     fn = S.make_train_step(L.lm_loss_fn(Gemma(CFG), chunk_size=8), opt, merge=merge,
                            state_shardings=S.shardings_of(state),
                            frozen_shardings=None if frozen is None else S.shardings_of(frozen),
@@ -224,7 +224,7 @@ def test_packing_bench_runs_and_counts_real_tokens():
     """bench/packing.py end to end on the toy (speed is not asserted: the lead runs the demo)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "bench/packing.py", "--preset=gemma_tiny", "--seq=64", "--batch=2",
-                        "--steps=1", "--warmup=1", "--rounds=1", "--rank=0"],
+                        "--steps=1", "--warmup=1", "--rounds=1"],
                        cwd=root, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     line = [x for x in r.stdout.splitlines() if x.startswith("BENCH packing ")]
