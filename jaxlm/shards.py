@@ -2,6 +2,14 @@
 
     python -m jaxlm.shards --input FILES --tokenizer DIR --max_length 512 --shard_size 1000 \
         --out DIR_OR_BUCKET [--validation_fraction 0.05]
+    python -m jaxlm.shards --input tfds:NAME[/CONFIG][:VERSION][:SPLIT] --text_feature text \
+        [--tfds_data_dir DIR] [--process_index I --process_count N] --tokenizer DIR --out DIR
+
+A `tfds:` input is a prepared TFDS dataset read without TensorFlow (`jaxlm.data.tfds`); each
+example's text feature gives its lines, so it makes the shards the same examples would make
+as a text file, one per line. With --process_count N, run I of N shards only its contiguous
+1/N of the examples and numbers its shards I, I+N, I+2N, ..., so N machines can write one
+shard set into the same --out.
 
 As `prepare_tfrecord_shards.py`: every line (empty ones included) becomes `[CLS] … [SEP]`;
 lines are taken 1000 at a time, concatenated, cut to a multiple of `max_length` (the remainder
@@ -16,6 +24,7 @@ Paths may be local or any fsspec URL (`gs://bucket/dir` needs `pip install gcsfs
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import sys
@@ -119,10 +128,10 @@ def _chunks(encoded: list[list[int]], max_length: int) -> np.ndarray:
 class ShardWriter:
     """Buffers chunks and writes `dataset-{i}-{count}.tfrecord` files of `shard_size` records."""
 
-    def __init__(self, directory: str, shard_size: int):
+    def __init__(self, directory: str, shard_size: int, first_index: int = 0, index_step: int = 1):
         self.directory, self.shard_size = directory, shard_size
         self.pending: list[np.ndarray] = []
-        self.index = 0
+        self.index, self.index_step = first_index, index_step  # writers sharing a folder interleave
         self.records = 0
         self.paths: list[str] = []
         if not _is_url(directory):
@@ -149,7 +158,7 @@ class ShardWriter:
         if not _is_url(path):
             os.replace(target, path)
         self.paths.append(path)
-        self.index += 1
+        self.index += self.index_step
         self.records += len(rows)
 
 
@@ -163,8 +172,11 @@ def is_validation(group: int, fraction: float) -> bool:
 
 def write_shards(tokenizer, lines: Iterable[str], out: str, *, max_length: int = 512,
                  shard_size: int = 1000, validation_fraction: float = 0.0,
-                 group_lines: int = GROUP_LINES) -> dict[str, ShardWriter]:
-    """Tokenize, chunk and write train (and validation) shards; -> {split: writer}."""
+                 group_lines: int = GROUP_LINES, part: int = 0, parts: int = 1) -> dict[str, ShardWriter]:
+    """Tokenize, chunk and write train (and validation) shards; -> {split: writer}.
+
+    part / parts: this writer's shards are numbered part, part + parts, ... so `parts` writers
+    (one per slice of a corpus) can share `out`."""
     if max_length < 2:
         raise UserError(f"--max_length {max_length} is too small; it must be at least 2")
     if shard_size < 1:
@@ -173,9 +185,9 @@ def write_shards(tokenizer, lines: Iterable[str], out: str, *, max_length: int =
         raise UserError(f"--validation_fraction {validation_fraction} must be in [0, 1)")
     if _is_url(out):
         _fs(out)  # a missing path library (gcsfs for gs://) fails before any tokenizing
-    writers = {"train": ShardWriter(join(out, "train"), shard_size)}
+    writers = {"train": ShardWriter(join(out, "train"), shard_size, part, parts)}
     if validation_fraction > 0:
-        writers["validation"] = ShardWriter(join(out, "validation"), shard_size)
+        writers["validation"] = ShardWriter(join(out, "validation"), shard_size, part, parts)
     for g, chunks in enumerate(chunk_groups(tokenizer, lines, max_length, group_lines)):
         writers["validation" if is_validation(g, validation_fraction) else "train"].add(chunks)
     for w in writers.values():
@@ -203,12 +215,51 @@ def read_shard(path: str, max_length: int | None = None) -> tuple[np.ndarray, np
     return np.stack(ids).astype(np.int32), np.stack(masks).astype(np.int32)
 
 
+def input_lines(args) -> Iterator[str]:
+    """The lines of --input: text files and tfds: datasets in order, each checked up front."""
+    if args.process_count < 1:
+        raise UserError(f"--process_count {args.process_count} must be at least 1")
+    if not args.input:
+        if args.process_count != 1:
+            raise UserError("--process_count splits tfds: inputs only; pass --input=tfds:...")
+        from jaxlm.tokenizer import _pydoc_corpus
+        return iter(_pydoc_corpus().splitlines())
+    from jaxlm.data import tfds
+    from jaxlm.tokenizer_train import read_lines
+    files = [i for i in args.input if not tfds.is_spec(i)]
+    if files and args.process_count != 1:
+        raise UserError(f"--process_count splits tfds: inputs only, and {files[0]} is a file; "
+                        "split the files between the machines instead")
+    parts = []
+    for item in args.input:
+        if tfds.is_spec(item):
+            lines, n = tfds.open_texts(item, args.text_feature, args.tfds_data_dir,
+                                       args.process_index, args.process_count)
+            print(f"input: {item}, {n} examples" + (f" (slice {args.process_index} of "
+                                                    f"{args.process_count})" if args.process_count > 1 else ""))
+            parts.append(lines)
+        else:
+            parts.append(read_lines([item]))
+    for f in files:  # a missing file fails now, not after the corpora before it
+        if not exists(f):
+            raise UserError(f"input file {f} does not exist")
+    return itertools.chain.from_iterable(parts)
+
+
 @cli
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxlm.shards", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", default=None,
-                   help="text files, one example per line (default: pydoc_data.topics)")
+                   help="text files, one example per line, or tfds:NAME[/CONFIG][:VERSION][:SPLIT] "
+                        "datasets (default: pydoc_data.topics)")
+    p.add_argument("--text_feature", default="text", help="the text feature of tfds: inputs")
+    p.add_argument("--tfds_data_dir", default=None,
+                   help="where tfds: inputs are prepared (default $TFDS_DATA_DIR or ~/tensorflow_datasets)")
+    p.add_argument("--process_index", type=int, default=0,
+                   help="with --process_count: which slice of the tfds: examples this run shards")
+    p.add_argument("--process_count", type=int, default=1,
+                   help="machines sharding one tfds: corpus into the same --out (default 1)")
     p.add_argument("--tokenizer", required=True, help="tokenizer folder (python -m jaxlm.tokenizer train)")
     p.add_argument("--max_length", type=int, default=512)
     p.add_argument("--shard_size", type=int, default=1000, help="records per shard")
@@ -217,15 +268,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="share of 1000-line groups written to {out}/validation")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     from jaxlm.tokenizer import load_tokenizer
+    lines = input_lines(args)  # bad inputs fail before the tokenizer loads
     tokenizer = load_tokenizer(args.tokenizer)
-    if args.input:
-        from jaxlm.tokenizer_train import read_lines
-        lines = read_lines(args.input)
-    else:
-        from jaxlm.tokenizer import _pydoc_corpus
-        lines = _pydoc_corpus().splitlines()
     writers = write_shards(tokenizer, lines, args.out, max_length=args.max_length,
-                           shard_size=args.shard_size, validation_fraction=args.validation_fraction)
+                           shard_size=args.shard_size, validation_fraction=args.validation_fraction,
+                           part=args.process_index, parts=args.process_count)
     for split, w in writers.items():
         print(f"{split}: {w.records} records of {args.max_length} tokens in {len(w.paths)} shards "
               f"under {w.directory}")

@@ -161,8 +161,8 @@ class Attention(nn.Module):
         # Without a cache, query t sits at position t and sees keys <= t only (and, in a
         # sliding-window layer, keys > t - window only).
         window = cfg.sliding_window_size if self.local else None
-        if cache is None and cfg.attention == "cudnn":  # the mask is causal by construction
-            out = layers.fused_causal_attention(q, key, value, window)
+        if cache is None and cfg.attention == "cudnn":  # mask: None, or packed examples apart
+            out = layers.fused_causal_attention(q, key, value, window, mask)
         else:
             out = layers.grouped_attention(q, key, value, mask, cfg.attention_logit_soft_cap,
                                            causal=cache is None, window=window)  # [B, T, N, D]
@@ -221,6 +221,9 @@ class Gemma(nn.Module):
     `apply({"params": p}, token_ids [B, T], padding_mask [B, T])` -> logits [B, T, V].
 
     Keyword options:
+      segment_ids, positions: int [B, T], for packed rows (`jaxlm.data.packing`): token t sees
+        key s only where segment_ids agree (0 = padding), and RoPE rotates by `positions`
+        (restarting at each example) instead of t. Training only (no cache).
       return_hidden: return the final-normed hidden states [B, T, H] instead of logits (the
         training loss projects them onto the vocabulary in chunks).
       cache, cache_index: decode with a KV cache (see `init_cache`); then `padding_mask` is the
@@ -237,31 +240,42 @@ class Gemma(nn.Module):
         self.blocks = [block(cfg, cfg.is_local(i), name=f"decoder_block_{i}") for i in range(cfg.num_layers)]
         self.final_normalization = layers.RMSNorm(cfg.norm_eps, name="final_normalization")
 
-    def __call__(self, token_ids, padding_mask=None, *, return_hidden=False,
-                 cache: Cache | None = None, cache_index=None):
+    def __call__(self, token_ids, padding_mask=None, *, segment_ids=None, positions=None,
+                 return_hidden=False, cache: Cache | None = None, cache_index=None):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         b, t = token_ids.shape
         if padding_mask is None:
             padding_mask = jnp.ones((b, t) if cache is None else (b, cache_size(cache)), bool)
         padding_mask = padding_mask.astype(bool)
+        if cache is not None and (segment_ids is not None or positions is not None):
+            raise ValueError("segment_ids / positions (packed rows) are for training, not with a cache")
 
         x = self.token_embedding(token_ids)
         x = x * jnp.asarray(math.sqrt(cfg.hidden_dim), dtype)  # the scale is rounded to dtype, as KerasHub
 
         start = 0 if cache is None else cache_index
-        positions = start + jnp.arange(t)[None, :]
-        key_positions = jnp.arange(t if cache is None else cache_size(cache))
+        index = start + jnp.arange(t)[None, :]
+        key_index = jnp.arange(t if cache is None else cache_size(cache))
         # Causal AND key padding; padded queries are left unmasked (as KerasHub) and ignored by the loss.
-        mask = (positions[:, :, None] >= key_positions[None, None, :]) & padding_mask[:, None, :]
+        mask = (index[:, :, None] >= key_index[None, None, :]) & padding_mask[:, None, :]
+        if segment_ids is not None:  # packed rows: a token sees its own example only
+            mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
         # What each kind of layer attends with, {local?: (RoPE table, mask)}. The tables are
         # built once here, outside the layer scan: built next to their use, XLA fused cos/sin
         # into the rotation (and its backward) and evaluated them for every element of q and k.
-        # Positions are the same for every row, so a table is [1, T, 1, D/2].
+        # Unpacked, positions are the same for every row and a table is [1, T, 1, D/2]; packed
+        # rows restart them at each example ([B, T, 1, D/2]).
+        positions = index if positions is None else positions
         rope = layers.rope_table(positions, cfg.head_dim, cfg.rope_base, cfg.global_rope_scaling_factor)
+        # The fused kernel is causal (and windowed) by construction: it needs a mask only to keep
+        # packed examples apart.
+        if cache is None and cfg.attention == "cudnn" and segment_ids is None:
+            mask = None
         inputs = {False: (rope, mask), True: (rope, mask)}
         if cfg.sliding_window_size is not None:  # local layers see keys in (t - W, t]
-            local_mask = mask & (positions[:, :, None] - key_positions[None, None, :] < cfg.sliding_window_size)
+            local_mask = None if mask is None else (
+                mask & (index[:, :, None] - key_index[None, None, :] < cfg.sliding_window_size))
             inputs[True] = (layers.rope_table(positions, cfg.head_dim, cfg.local_rope_base or cfg.rope_base),
                             local_mask)
 

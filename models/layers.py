@@ -205,7 +205,8 @@ def grouped_attention(q, k, v, mask, soft_cap: float | None = None, *, causal: b
     return jnp.concatenate(outs, axis=1)
 
 
-def fused_causal_attention(q, k, v, window: int | None = None):
+def fused_causal_attention(q, k, v, window: int | None = None, mask=None, *,
+                           implementation: str = "cudnn"):
     """cuDNN flash attention for training on NVIDIA GPUs (`GemmaConfig.attention="cudnn"`).
 
     q [B, T, N, D] (already scaled, bfloat16 or float16), k/v [B, T, K, D] -> [B, T, N, D].
@@ -214,10 +215,21 @@ def fused_causal_attention(q, k, v, window: int | None = None):
     key, and the padded queries' outputs are dropped by the loss, so loss and gradients equal
     `grouped_attention`'s. A row padded on the left or with holes would differ: use "xla".
     The [T, S] logits never reach memory (memory linear in T), and the masked triangle is skipped.
+
+    mask [B, T, S] (True = attend), for packed rows only (several examples per row): JAX's
+    public API takes it as a [B, 1, T, S] additive bias, so memory is no longer linear in T (T
+    2048 x batch 8: 64 MiB in bfloat16, and as much for its gradient, which cuDNN computes).
+    jax 0.10 also has a Hopper-only packed layout (segment offsets) but only as a private API.
+    cuDNN needs an even T with a bias. `implementation="xla"` runs the same call on any
+    platform (the tests check the arguments on CPU that way).
     """
+    if mask is not None and implementation == "cudnn" and q.shape[1] % 2:
+        raise ValueError(f"cuDNN attention over packed rows needs an even sequence length, got "
+                         f"{q.shape[1]}; use an even --sequence_length or --attention=xla")
     return jax.nn.dot_product_attention(
-        q, k.astype(q.dtype), v.astype(q.dtype), scale=1.0, is_causal=True,
-        local_window_size=None if window is None else (window - 1, 0), implementation="cudnn")
+        q, k.astype(q.dtype), v.astype(q.dtype), mask=None if mask is None else mask[:, None],
+        scale=1.0, is_causal=True, local_window_size=None if window is None else (window - 1, 0),
+        implementation=implementation)
 
 
 def _attention(q, k, v, mask, soft_cap):

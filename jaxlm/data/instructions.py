@@ -15,6 +15,7 @@ import csv
 import dataclasses
 import json
 import os
+import string
 
 import numpy as np
 
@@ -102,37 +103,47 @@ def read_records(path: str, instruction_column: str = "instruction",
         raise UserError(f"data file {path} does not exist")
     if os.path.getsize(path) == 0:
         raise UserError(f"data file {path} is empty")
+    try:
+        return collect(_rows(path), path, instruction_column, output_column, limit)
+    except (csv.Error, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}; expected UTF-8 CSV with a header row") from None
+
+
+def collect(items, source: str, instruction_column: str = "instruction",
+            output_column: str = "output", limit: int | None = None) -> Records:
+    """Records from a stream of ("columns", names) / ("row", dict) / ("bad", reason) items.
+
+    Every reader (files here, TFDS in `jaxlm.data.tfds`) goes through this one loop, so the
+    same rows give the same Records, skip counts and errors whatever they were stored in.
+    """
     out = Records([], [])
     seen_columns: set[str] = set()
     wanted = (instruction_column, output_column)
-    try:
-        for kind, item in _rows(path):
-            if kind == "columns":
-                seen_columns.update(item)
-                if not all(c in item for c in wanted):
-                    raise UserError(_columns_error(path, wanted, item))
-                continue
-            if kind == "bad":
-                out.skipped += 1
-                out.reasons[item] = out.reasons.get(item, 0) + 1
-                continue
+    for kind, item in items:
+        if kind == "columns":
             seen_columns.update(item)
-            (ins, why1), (res, why2) = _value(item, instruction_column), _value(item, output_column)
-            if why1 or why2:
-                out.skipped += 1
-                out.reasons[why1 or why2] = out.reasons.get(why1 or why2, 0) + 1
-                continue
-            out.instructions.append(ins)
-            out.outputs.append(res)
-            if limit is not None and len(out) >= limit:
-                break  # a 240k-row file is not parsed whole for its first 1000 rows
-    except (csv.Error, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read {path}: {e}; expected UTF-8 CSV with a header row") from None
+            if not all(c in item for c in wanted):
+                raise UserError(_columns_error(source, wanted, item))
+            continue
+        if kind == "bad":
+            out.skipped += 1
+            out.reasons[item] = out.reasons.get(item, 0) + 1
+            continue
+        seen_columns.update(item)
+        (ins, why1), (res, why2) = _value(item, instruction_column), _value(item, output_column)
+        if why1 or why2:
+            out.skipped += 1
+            out.reasons[why1 or why2] = out.reasons.get(why1 or why2, 0) + 1
+            continue
+        out.instructions.append(ins)
+        out.outputs.append(res)
+        if limit is not None and len(out) >= limit:
+            break  # a 240k-row file is not parsed whole for its first 1000 rows
     if not len(out):
         if seen_columns and not all(c in seen_columns for c in wanted):
-            raise UserError(_columns_error(path, wanted, sorted(seen_columns)))
-        why = f" ({out.report(path).split('(', 1)[1]}" if out.skipped else ""
-        raise UserError(f"data file {path} has no usable rows{why}")
+            raise UserError(_columns_error(source, wanted, sorted(seen_columns)))
+        why = f" ({out.report(source).split('(', 1)[1]}" if out.skipped else ""
+        raise UserError(f"data file {source} has no usable rows{why}")
     return out
 
 
@@ -164,21 +175,82 @@ def prompt(template: str, instruction: str) -> str:
     return template.format(instruction=instruction, output="")
 
 
+LOSS_ON = ("all", "response")
+
+
 def pack(tokenizer, texts: list[str], sequence_length: int):
     """KerasHub's StartEndPacker at length sequence_length + 1.
 
     -> token_ids int32 [N, L+1] (BOS, text truncated to L-1 tokens, EOS, 0-padding) and
     padding_mask bool [N, L+1]. EOS is kept even when the text is truncated, as KerasHub does.
     """
-    width = sequence_length + 1
-    ids = np.full((len(texts), width), tokenizer.pad_id, np.int32)
-    mask = np.zeros((len(texts), width), bool)
-    for row, text in enumerate(texts):
-        body = tokenizer.encode(text, bos=False)[: width - 2]
-        seq = [tokenizer.bos_id] + body + [tokenizer.eos_id]
+    rows = _start_end_pack(tokenizer, [tokenizer.encode(t, bos=False) for t in texts],
+                           sequence_length + 1)
+    return rows["token_ids"], rows["padding_mask"]
+
+
+def encode(tokenizer, records: Records, template: str, sequence_length: int,
+           loss_on: str = "all") -> dict[str, np.ndarray]:
+    """Records -> KerasHub-packed rows, one example per row, with the weight of each target.
+
+    -> {"token_ids" int32, "padding_mask" bool, "loss_mask" bool}, each [N, L+1]; token_ids
+    and padding_mask are exactly `pack(tokenizer, format_examples(records, template), L)`.
+    The loss scores target t (predicted from tokens < t) iff loss_mask[:, t], t >= 1:
+      loss_on="all": every real token (KerasHub's and the seed's objective): loss_mask is
+        padding_mask.
+      loss_on="response": the tokens from the template's {output} field on, and the EOS;
+        the prompt stays in the row (attended to) but is not scored. The prompt's length is
+        the tokens that the whole text shares with the prompt text tokenized alone, so a
+        token that straddles the boundary counts as response. A row truncated inside its
+        prompt scores nothing.
+    """
+    if loss_on not in LOSS_ON:
+        raise UserError(f"--loss_on={loss_on!r}: use one of {', '.join(LOSS_ON)}")
+    texts = format_examples(records, template)
+    bodies = [tokenizer.encode(t, bos=False) for t in texts]
+    rows = _start_end_pack(tokenizer, bodies, sequence_length + 1)
+    if loss_on == "all":
+        rows["loss_mask"] = rows["padding_mask"].copy()
+        return rows
+    head = _prompt_part(template)
+    starts = np.array([1 + _shared_prefix(tokenizer.encode(head.format(instruction=ins), bos=False), body)
+                       for ins, body in zip(records.instructions, bodies)])  # index of the first response token
+    column = np.arange(sequence_length + 1)[None, :]
+    rows["loss_mask"] = rows["padding_mask"] & (column >= starts[:, None])
+    return rows
+
+
+def _prompt_part(template: str) -> str:
+    """The template up to its {output} field (itself a template, in {instruction} only)."""
+    out = []
+    for literal, field, spec, conversion in string.Formatter().parse(template):
+        out.append(literal.replace("{", "{{").replace("}", "}}"))
+        if field == "output":
+            break
+        if field is not None:
+            out.append("{" + field + (f"!{conversion}" if conversion else "")
+                       + (f":{spec}" if spec else "") + "}")
+    return "".join(out)
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _start_end_pack(tokenizer, bodies: list[list[int]], width: int) -> dict[str, np.ndarray]:
+    """BOS + body[:width - 2] + EOS, right-padded to `width` (KerasHub's StartEndPacker)."""
+    ids = np.full((len(bodies), width), tokenizer.pad_id, np.int32)
+    mask = np.zeros((len(bodies), width), bool)
+    for row, body in enumerate(bodies):
+        seq = [tokenizer.bos_id] + body[: width - 2] + [tokenizer.eos_id]
         ids[row, : len(seq)] = seq
         mask[row, : len(seq)] = True
-    return ids, mask
+    return {"token_ids": ids, "padding_mask": mask}
 
 
 def batch_indices(num_examples: int, global_batch: int, step: int, seed: int) -> np.ndarray:
@@ -193,20 +265,25 @@ def batch_indices(num_examples: int, global_batch: int, step: int, seed: int) ->
     return np.concatenate(out)
 
 
-def host_batch(ids: np.ndarray, mask: np.ndarray, step: int, *, batch_size: int,
-               accum_steps: int = 1, seed: int = 0, process_index: int = 0,
-               process_count: int = 1) -> dict:
-    """This host's rows of the global batch at `step`.
+def host_batch(ids: np.ndarray, mask: np.ndarray, step: int, **kwargs) -> dict:
+    """`batch_rows` of {"token_ids": ids, "padding_mask": mask} (the unweighted, unpacked rows)."""
+    return batch_rows({"token_ids": ids, "padding_mask": mask}, step, **kwargs)
+
+
+def batch_rows(rows: dict[str, np.ndarray], step: int, *, batch_size: int, accum_steps: int = 1,
+               seed: int = 0, process_index: int = 0, process_count: int = 1) -> dict:
+    """This host's rows of the global batch at `step`, for every array of `rows` ([R, ...],
+    as `encode` or `packing.pack_rows` give them; R rows, examples or packed).
 
     The global batch is accum_steps * batch_size rows; each micro-batch of `batch_size` rows is
     split into `process_count` contiguous blocks and this host keeps block `process_index`.
-    -> {"token_ids", "padding_mask"}: [b, L+1], or [A, b, L+1] when accum_steps > 1,
-    with b = batch_size // process_count.
+    -> {key: [b, ...]}, or [A, b, ...] when accum_steps > 1, with b = batch_size // process_count.
     """
     if batch_size % process_count:
         raise UserError(f"--batch_size={batch_size} is not divisible by {process_count} hosts")
-    idx = batch_indices(len(ids), batch_size * accum_steps, step, seed).reshape(accum_steps, batch_size)
+    num_rows = len(next(iter(rows.values())))
+    idx = batch_indices(num_rows, batch_size * accum_steps, step, seed).reshape(accum_steps, batch_size)
     local = batch_size // process_count
     idx = idx[:, process_index * local:(process_index + 1) * local]
-    batch = {"token_ids": ids[idx], "padding_mask": mask[idx]}
+    batch = {k: v[idx] for k, v in rows.items()}
     return batch if accum_steps > 1 else {k: v[0] for k, v in batch.items()}

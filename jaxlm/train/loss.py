@@ -169,6 +169,9 @@ def lm_loss_fn(model, *, chunk_size: int | None = None, chunk_logits: int | None
     (BOS + text + EOS, right-padded). The model is applied with `return_hidden=True`; the tied
     embedding `params["token_embedding"]["embeddings"]` projects onto the vocabulary, then the
     config's `final_logit_soft_cap` (Gemma 2) applies, as in the model's own logits.
+    Optional batch keys: "loss_mask" bool [B, T+1] (target t counts iff loss_mask[:, t], instead
+    of padding_mask) and, for packed rows, "segment_ids" / "positions" int32 [B, T+1] (see
+    `jaxlm.data.packing`).
     chunk_size / chunk_logits: see `chunked_cross_entropy` (a step compiled for another
     platform than this host's passes that platform's CHUNK_LOGITS).
     """
@@ -177,7 +180,10 @@ def lm_loss_fn(model, *, chunk_size: int | None = None, chunk_logits: int | None
     def loss_fn(params, batch, rng):
         del rng  # Gemma has no dropout; the argument keeps the signature shared with MLM
         inputs, input_mask, targets, weights = shift(batch["token_ids"], batch["padding_mask"])
-        hidden = model.apply({"params": params}, inputs, input_mask, return_hidden=True)
+        if "loss_mask" in batch:  # --loss_on=response, packed rows: only these targets count
+            weights = batch["loss_mask"][:, 1:]
+        packed = {k: batch[k][:, :-1] for k in ("segment_ids", "positions") if k in batch}
+        hidden = model.apply({"params": params}, inputs, input_mask, return_hidden=True, **packed)
         m = chunked_cross_entropy(hidden, params["token_embedding"]["embeddings"], targets, weights,
                                   chunk_size=chunk_size, logit_soft_cap=cap,
                                   chunk_logits=chunk_logits)
