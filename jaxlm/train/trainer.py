@@ -120,11 +120,14 @@ def build(params, mesh, *, param_specs, loss_fn: Callable,
 
 
 def abstract_batch(batch_size: int, sequence_length: int, sharding_, accum_steps: int = 1,
-                   keys=("token_ids", "padding_mask")) -> dict:
-    """ShapeDtypeStructs of an LM batch [B, L+1] ([A, B, L+1] when accumulating), for lowering."""
+                   packing: bool = False) -> dict:
+    """ShapeDtypeStructs of an LM batch [B, L+1] ([A, B, L+1] when accumulating), for lowering:
+    token_ids, padding_mask and loss_mask, plus segment_ids and positions for packed rows."""
     shape = ((accum_steps,) if accum_steps > 1 else ()) + (batch_size, sequence_length + 1)
-    dtypes = {"token_ids": jnp.int32, "padding_mask": jnp.bool_}
-    return {k: jax.ShapeDtypeStruct(shape, dtypes.get(k, jnp.int32), sharding=sharding_) for k in keys}
+    dtypes = {"token_ids": jnp.int32, "padding_mask": jnp.bool_, "loss_mask": jnp.bool_}
+    if packing:
+        dtypes |= {"segment_ids": jnp.int32, "positions": jnp.int32}
+    return {k: jax.ShapeDtypeStruct(shape, d, sharding=sharding_) for k, d in dtypes.items()}
 
 
 __all__ = ["LoraSpec", "Trainer", "build", "init_state", "make_adapters", "abstract_batch"]
