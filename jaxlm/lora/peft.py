@@ -210,19 +210,24 @@ def load_peft(directory: str, model_or_config, params: dict | None = None) -> Ad
     found = {}
     with Reader(directory, weights=WEIGHTS, index=None) as reader:
         keys = reader.keys()
-        for key in keys:
-            m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
-            if m is None:
-                raise UserError(f"{directory}: {key} is not a LoRA factor of a linear layer; jaxlm "
-                                "reads plain LoRA (no DoRA, embedding LoRA or saved modules)")
-            name = m.group(1)
+        # LoRA factors first, so a target without a jaxlm kernel is what the error names
+        for key in sorted(keys, key=lambda k: ".lora_" not in k):
+            if ".lora_" not in key:
+                raise UserError(f"{directory} holds {key}, a whole weight rather than a LoRA factor "
+                                "(modules_to_save or an adapted embedding); jaxlm's LoRA cannot hold it")
+            module, _, factor = key.removeprefix(PREFIX).partition(".lora_")
+            name = module
             for prefix in prefixes:  # a multimodal Gemma 3's text tower
                 if name.startswith(prefix):
                     name = "model." + name[len(prefix):]
             if name not in kernels:
-                raise UserError(f"{directory} adapts {m.group(1)}, which jaxlm has no kernel for "
-                                "(it adapts the attention and FFN linear layers only)")
-            found.setdefault(name, {})[m.group(2)] = reader.get(key).astype(np.float32)
+                raise UserError(f"{directory} adapts {module}, which jaxlm has no kernel for "
+                                "(jaxlm's LoRA adapts the attention and FFN linear layers)")
+            m = re.fullmatch(r"([AB])(?:\.[^.]+)?\.weight", factor)
+            if m is None:
+                raise UserError(f"{directory}: {key} is not a plain LoRA factor (lora_A/lora_B); "
+                                "DoRA and LoRA biases have no jaxlm equivalent")
+            found.setdefault(name, {})[m.group(1)] = reader.get(key).astype(np.float32)
     if not found:
         raise UserError(f"{directory}/{WEIGHTS} holds no LoRA factors")
     flat_params = flatten(params) if params is not None else None
