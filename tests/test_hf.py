@@ -226,6 +226,8 @@ def test_sharded_bfloat16_and_our_sharded_writer(hf_folder, tmp_path):
     assert back.dtype == torch.bfloat16
     assert back.model.layers[1].self_attn.q_proj.weight.detach().float().numpy().tobytes() == \
         want.astype(ml_dtypes.bfloat16).astype(np.float32).tobytes()
+    hf.write_folder(out, model.config, params)  # again, unsharded: the old shards must go
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
 
 
 def test_multimodal_gemma3_text_tower(tmp_path):
@@ -244,6 +246,34 @@ def test_multimodal_gemma3_text_tower(tmp_path):
                                   lm.embed_tokens.weight.detach().numpy())
     np.testing.assert_array_equal(np.asarray(params["decoder_block_6"]["ffw_linear"]["kernel"]),
                                   lm.layers[6].mlp.down_proj.weight.detach().numpy().T)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_missing_config_keys_take_transformers_defaults(kind, hf_folder, tmp_path):
+    """A terse config.json means what transformers makes of it (Gemma 2: caps 50 / 30, query
+    scalar 256 -- not jaxlm's defaults)."""
+    src, _ = hf_folder(kind)
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    with open(tmp_path / "config.json") as f:
+        c = json.load(f)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                "sliding_window", "rope_parameters", "rope_theta", "rope_scaling", "rope_local_base_freq"):
+        c.pop(key, None)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(c, f)
+    theirs = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    from jaxlm.convert import hf
+    _, ours = hf.read_config(str(tmp_path))
+    assert ours.attention_logit_soft_cap == theirs.attn_logit_softcapping
+    assert ours.final_logit_soft_cap == theirs.final_logit_softcapping
+    assert ours.query_pre_attn_scalar == theirs.query_pre_attn_scalar == 256
+    assert ours.sliding_window_size == theirs.sliding_window
+    rope = theirs.rope_parameters
+    if kind == "gemma3":
+        assert (ours.rope_base, ours.local_rope_base) == (rope["full_attention"]["rope_theta"],
+                                                         rope["sliding_attention"]["rope_theta"])
+    else:
+        assert ours.rope_base == rope["rope_theta"]
 
 
 def test_reading_streams_one_tensor_at_a_time(tmp_path):
