@@ -180,7 +180,6 @@ def test_unsupported_adapters_are_one_clear_line(base, tmp_path):
         if changes:
             _edit(directory, **{k: v for k, v in [("modules_to_save", None), ("use_dora", False),
                                                   ("peft_type", "LORA")]})
-    _, other = jaxlm.load("gemma_tiny", abstract=True)
     adapters = lora.init(params, 2, key=jax.random.key(0))
     lora.save_peft(str(tmp_path / "ours"), adapters, model)
     with pytest.raises(UserError, match="another model"):
