@@ -86,8 +86,8 @@ def load_tokenizer(path: str):
         for rel in (SPM_ASSET, "tokenizer/vocabulary.spm"):
             if storage.exists(storage.join(path, rel)):
                 return load_tokenizer(storage.join(path, rel))
-        from jaxlm.convert import hf
-        found = hf.read_tokenizer(path) or _maybe_bpe(path)  # an HF folder's files, or a bare BPE folder
+        from jaxlm.convert import hf_tokenizer
+        found = hf_tokenizer.read_tokenizer(path) or _maybe_bpe(path)  # an HF folder's files, or a bare BPE folder
         if found is not None:
             return found
         raise UserError(f"{path} holds no tokenizer (expected {SPM_ASSET}, tokenizer/vocabulary.spm "

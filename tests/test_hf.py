@@ -193,15 +193,24 @@ def roberta_bpe():
 
 @pytest.mark.parametrize("which", ["gemma_bpe", "unigram", "roberta_bpe"])
 def test_tokenizer_files_encode_as_ours(which, gemma_style_spm, spm_tokenizer, tmp_path):
-    from jaxlm.convert import hf
+    """Our files -> AutoTokenizer encodes as we do -> jaxlm reads them back; and the lone
+    tokenizer.json transformers 5 saves in their place reads back the same."""
+    from jaxlm.convert import hf_tokenizer
     ours = {"gemma_bpe": lambda: gemma_style_spm, "unigram": lambda: spm_tokenizer,
             "roberta_bpe": roberta_bpe}[which]()
-    hf.write_tokenizer(str(tmp_path), ours)
-    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
-    for text in TEXTS + ["a <mask> b"] * (which == "roberta_bpe"):
+    hf_tokenizer.write_tokenizer(str(tmp_path / "ours"), ours)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "ours"))
+    texts = TEXTS + ["a <mask> b"] * (which == "roberta_bpe")
+    for text in texts:
         assert theirs(text)["input_ids"] == ours.encode(text), text
-    again = jaxlm.load_tokenizer(str(tmp_path))
-    assert type(again) is type(ours) and all(again.encode(t) == ours.encode(t) for t in TEXTS)
+    folders = [tmp_path / "ours"]
+    if which != "unigram":  # (transformers saves a Unigram model as tokenizer.json only, which jaxlm does not read)
+        theirs.save_pretrained(str(tmp_path / "resaved"))
+        assert "tokenizer.json" in os.listdir(tmp_path / "resaved")
+        folders.append(tmp_path / "resaved")
+    for folder in folders:
+        again = jaxlm.load_tokenizer(str(folder))
+        assert type(again) is type(ours) and all(again.encode(t) == ours.encode(t) for t in texts), folder
 
 
 # --- other checkpoint shapes ---------------------------------------------------------------------
@@ -226,6 +235,12 @@ def test_sharded_bfloat16_and_our_sharded_writer(hf_folder, tmp_path):
     assert back.dtype == torch.bfloat16
     assert back.model.layers[1].self_attn.q_proj.weight.detach().float().numpy().tobytes() == \
         want.astype(ml_dtypes.bfloat16).astype(np.float32).tobytes()
+    from jaxlm.convert.hf_tensors import Reader
+    with Reader(src) as theirs, Reader(out) as ours:  # bfloat16 -> jaxlm -> bfloat16: bit for bit
+        assert theirs.keys() == ours.keys()
+        for key in theirs.keys():
+            a, b = theirs.get(key), ours.get(key)
+            assert a.dtype == b.dtype == ml_dtypes.bfloat16 and a.tobytes() == b.tobytes(), key
     hf.write_folder(out, model.config, params)  # again, unsharded: the old shards must go
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
 

@@ -69,18 +69,15 @@ def jaxlm_logits(model, params, ids, mask):
 
 def trained_adapters(model, params, steps=2):
     """Rank-2 adapters on every kernel, trained `steps` AdamW steps by jaxlm's own train step."""
-    from jaxlm.train import loss, optim, step
+    from jaxlm.train import loss, optim, step, trainer
     adapters = lora.init(params, 2, key=jax.random.key(0), alpha=6.0, targets=ALL)
     opt = optim.make_optimizer(optim.OptimConfig(learning_rate=0.05))
-    # plain factors in the state: optax's weight-decay mask is a plain dict, which a mesh-less
-    # init_state cannot map over an Adapters tree
-    train = step.make_train_step(loss.lm_loss_fn(model), opt, merge=lambda p, t: lora.merge(p, t, alpha=6.0),
-                                 donate=False)
-    state = step.init_state(dict(adapters), opt)
+    train = step.make_train_step(loss.lm_loss_fn(model), opt, merge=lora.merge, donate=False)
+    state = trainer.init_state(adapters, opt)
     ids, mask = ragged_batch(VOCAB, [12, 12, 9, 5], 12, seed=1)
     for _ in range(steps):
         state, _ = train(state, params, {"token_ids": jnp.asarray(ids), "padding_mask": jnp.asarray(mask)})
-    return adapters.with_factors(state["trainable"])
+    return state["trainable"]
 
 
 def test_trained_adapters_load_in_peft_with_jaxlm_logits(base, tmp_path):

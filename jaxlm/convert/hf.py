@@ -10,47 +10,44 @@ A folder is::
     tokenizer.model                Gemma: the sentencepiece model (+ tokenizer_config.json)
     vocab.json, merges.txt         RoBERTa: byte-level BPE (+ tokenizer_config.json)
 
-Each family's config fields and tensor names live in `hf_gemma` / `hf_roberta`; this module
-checks a folder against them and streams the tensors (see `hf_tensors`).
+Each family's config fields and tensor names live in `hf_gemma` / `hf_roberta`, the tokenizer
+files in `hf_tokenizer`; this module checks a folder against them and streams the tensors
+(see `hf_tensors`).
 """
 from __future__ import annotations
 
+import collections
 import json
-import os
 import re
 
 import jax
 import numpy as np
 
 from jaxlm import families, storage
-from jaxlm.bpe import BPETokenizer
 from jaxlm.convert import hf_gemma, hf_roberta
 from jaxlm.convert.hf_tensors import MAX_SHARD_BYTES, Reader, write_folder_weights
+from jaxlm.convert.hf_tokenizer import write_tokenizer
 from jaxlm.errors import UserError
-from jaxlm.tokenizer import Tokenizer
 from jaxlm.tree import flatten, place_streamed
 
 FORMATS = {"gemma": hf_gemma, "roberta": hf_roberta}  # family name -> its HF mapping
 CONFIG = "config.json"
-SPM_FILE = "tokenizer.model"
-TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_IDS = {"gemma": {"bos": 2, "eos": 1, "pad": 0}, "roberta": {"bos": 0, "eos": 2, "pad": 1}}
 
 
 def is_hf_folder(path: str) -> bool:
     """Whether `path` is a folder whose config.json is a transformers config (has "model_type")."""
-    return os.path.isdir(path) and "model_type" in _config_json(path, missing_ok=True)
+    return storage.isdir(path) and "model_type" in _config_json(path, missing_ok=True)
 
 
 def _config_json(folder: str, missing_ok: bool = False) -> dict:
-    path = os.path.join(folder, CONFIG)
-    if not os.path.exists(path):
+    path = storage.join(folder, CONFIG)
+    if not storage.exists(path):
         if missing_ok:
             return {}
         raise UserError(f"{folder} has no {CONFIG}")
     try:
-        with open(path) as f:
-            raw = json.load(f)
+        raw = json.loads(storage.read_text(path))
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON ({e}); download it again") from None
     return raw if isinstance(raw, dict) else {}
@@ -131,7 +128,7 @@ def write_folder(out_dir: str, config, params: dict, tokenizer=None, *,
                  max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
     """Write an HF folder (see module docstring); `out_dir` may be a URL. -> the files written.
 
-    Tensors are fetched, converted and written one at a time in the parameters' dtype. On a
+    Tensors are fetched, converted and written one at a time in the weights' dtype. On a
     multi-host run every process must call this (each tensor is gathered from the hosts holding
     its shards) and process 0 writes.
     """
@@ -139,12 +136,15 @@ def write_folder(out_dir: str, config, params: dict, tokenizer=None, *,
     hf = hf_config(config, tokenizer)  # first: an unsupported config fails before anything is written
     table = FORMATS[family.name].tensors(config)
     flat = flatten(params)
-    specs = [(key, shape, str(flat[path].dtype))
-             for path, t in table.items() for key, shape in zip(t.keys, t.shapes)]
+    # One dtype for the file, as transformers writes: the weights' (norm scales, which jaxlm
+    # keeps in float32 under any compute dtype, follow them).
+    dtype = collections.Counter(str(x.dtype) for x in flat.values()).most_common(1)[0][0]
+    hf.update(dtype=dtype, torch_dtype=dtype)
+    specs = [(key, shape, dtype) for t in table.values() for key, shape in zip(t.keys, t.shapes)]
 
     def arrays():
         for path, t in table.items():
-            yield from t.to_hf(_host_array(flat[path]))
+            yield from (w.astype(dtype, copy=False) for w in t.to_hf(_host_array(flat[path])))
 
     lead = jax.process_index() == 0
     if lead:
@@ -164,106 +164,6 @@ def _host_array(x) -> np.ndarray:
         from jax.experimental import multihost_utils
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(jax.device_get(x))
-
-
-# --- tokenizer files ---------------------------------------------------------------------------
-
-def write_tokenizer(out_dir: str, tokenizer) -> list[str]:
-    """The files `AutoTokenizer.from_pretrained(out_dir)` needs to encode as `tokenizer` does."""
-    if isinstance(tokenizer, Tokenizer):
-        sp = tokenizer.sp
-        storage.write_bytes(storage.join(out_dir, SPM_FILE), tokenizer.proto)
-        files = [SPM_FILE]
-        tok_config = {"tokenizer_class": "GemmaTokenizer", "add_bos_token": tokenizer.add_bos,
-                      "add_eos_token": False, "bos_token": sp.id_to_piece(tokenizer.bos_id),
-                      "eos_token": sp.id_to_piece(tokenizer.eos_id),
-                      "pad_token": sp.id_to_piece(tokenizer.pad_id), "unk_token": sp.id_to_piece(sp.unk_id()),
-                      "padding_side": "left"}
-        converted = _tokenizer_json(tokenizer)
-        if converted is not None:  # not Gemma's own kind of vocabulary: transformers runs the JSON
-            storage.write_text(storage.join(out_dir, "tokenizer.json"), converted)
-            files.append("tokenizer.json")
-            tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    else:  # RoBERTa's byte-level BPE (jaxlm.bpe.BPETokenizer)
-        storage.write_text(storage.join(out_dir, "vocab.json"),
-                           json.dumps(tokenizer.vocabulary, ensure_ascii=False))
-        storage.write_text(storage.join(out_dir, "merges.txt"),
-                           "#version: 0.2\n" + "\n".join(tokenizer.merges) + "\n")
-        specials = {"bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>", "cls_token": "<s>",
-                    "pad_token": "<pad>", "mask_token": "<mask>"}
-        if tokenizer.unk_id >= 0:
-            specials["unk_token"] = "<unk>"
-        tok_config = {"tokenizer_class": "RobertaTokenizer", "add_prefix_space": False, **specials}
-        files = ["vocab.json", "merges.txt"]
-    storage.write_text(storage.join(out_dir, TOKENIZER_CONFIG), json.dumps(tok_config, indent=2))
-    return files + [TOKENIZER_CONFIG]
-
-
-def _tokenizer_json(tokenizer) -> str | None:
-    """None for a Gemma-style sentencepiece model (BPE, no normalization, no dummy prefix), which
-    transformers' GemmaTokenizer rebuilds from tokenizer.model exactly. Otherwise (a Unigram
-    model such as `python -m jaxlm.tokenizer train` writes) the equivalent `tokenizers`
-    pipeline as tokenizer.json: the model's own normalization table, whitespace handling,
-    Unigram scores and byte fallback. Its Viterbi can break exact score ties differently from
-    sentencepiece (seen on long runs of one character, e.g. ASCII-art rules).
-    """
-    from sentencepiece import sentencepiece_model_pb2 as pb
-    from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
-    m = pb.ModelProto()
-    m.ParseFromString(tokenizer.proto)
-    ns, ts = m.normalizer_spec, m.trainer_spec
-    if (ts.model_type == pb.TrainerSpec.BPE and ns.name == "identity" and not ns.add_dummy_prefix
-            and not ns.remove_extra_whitespaces):
-        return None
-    if ts.model_type != pb.TrainerSpec.UNIGRAM:
-        raise UserError("only Gemma-style BPE and Unigram sentencepiece models can be exported "
-                        "for transformers")
-    tok = HFTokenizer(models.Unigram([(p.piece, p.score) for p in m.pieces], unk_id=ts.unk_id,
-                                     byte_fallback=ts.byte_fallback))
-    steps = [normalizers.Precompiled(ns.precompiled_charsmap)] if ns.precompiled_charsmap else []
-    if ns.remove_extra_whitespaces:
-        steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
-    tok.normalizer = normalizers.Sequence(steps)
-    prepend = "always" if ns.add_dummy_prefix else "never"
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend,
-                                                 split=ts.split_by_whitespace)
-    tok.decoder = decoders.Sequence([decoders.Metaspace(replacement="\u2581", prepend_scheme=prepend),
-                                     decoders.ByteFallback(), decoders.Fuse()])
-    piece = pb.ModelProto.SentencePiece
-    tok.add_special_tokens([AddedToken(p.piece, special=True, normalized=False)
-                            for p in m.pieces if p.type == piece.CONTROL])
-    tok.add_tokens([AddedToken(p.piece, normalized=False) for p in m.pieces if p.type == piece.USER_DEFINED])
-    if tokenizer.add_bos:
-        bos = tokenizer.sp.id_to_piece(tokenizer.bos_id)
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.bos_id)])
-    return tok.to_str()
-
-
-def read_tokenizer(folder: str):
-    """The tokenizer of an HF folder (tokenizer.model, vocab.json + merges.txt, or a BPE
-    tokenizer.json), or None when it has none of these."""
-    if os.path.exists(os.path.join(folder, SPM_FILE)):
-        with open(os.path.join(folder, SPM_FILE), "rb") as f:
-            return Tokenizer(f.read())
-    vocab, merges = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
-    if os.path.exists(vocab) and os.path.exists(merges):
-        with open(vocab, encoding="utf-8") as f:
-            vocabulary = json.load(f)
-        with open(merges, encoding="utf-8") as f:
-            lines = [l.rstrip("\n") for l in f if l.strip() and not l.startswith("#version")]
-        return BPETokenizer(vocabulary, lines)
-    path = os.path.join(folder, "tokenizer.json")
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            model = json.load(f).get("model", {})
-        if model.get("type") != "BPE" or not model.get("vocab"):
-            raise UserError(f"{path} holds a {model.get('type')} tokenizer; jaxlm reads Gemma's "
-                            f"{SPM_FILE} (sentencepiece) or RoBERTa's byte-level BPE")
-        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-        return BPETokenizer(model["vocab"], merges)
-    return None
 
 
 def usage(model_dir: str, config, adapter_dir: str | None = None) -> list[str]:

@@ -12,8 +12,8 @@ bytes as they are produced).
 """
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import struct
 from typing import Callable, Iterable, Iterator, NamedTuple
 
@@ -88,53 +88,54 @@ def flat(key: str, shape) -> Tensor:
 
 class Reader:
     """The tensors of an HF folder by key: `weights` (model.safetensors) or the shards named by
-    `index` (model.safetensors.index.json). Files are opened lazily; HF folders are read from
-    local disk (safe_open memory-maps the file)."""
+    `index` (model.safetensors.index.json). Files are opened lazily, one tensor read at a time
+    (safe_open memory-maps a local file; a URL's files are copied to local temporary files as
+    they are opened)."""
 
     def __init__(self, folder: str, weights: str = WEIGHTS, index: str | None = INDEX):
-        if storage.is_url(folder):
-            raise UserError(f"{folder}: HF folders are read from local disk; copy it first "
-                            f"(e.g. gcloud storage cp -r {folder} .)")
         self.folder = folder
         self._handles: dict[str, object] = {}
-        index = index and os.path.join(folder, index)
-        if index and os.path.exists(index):
+        self._stack = contextlib.ExitStack()
+        index = index and storage.join(folder, index)
+        if index and storage.exists(index):
             try:
-                with open(index) as f:
-                    self._files = dict(json.load(f)["weight_map"])
+                self._files = dict(json.loads(storage.read_text(index))["weight_map"])
             except (ValueError, KeyError, TypeError) as e:
                 raise UserError(f"{index} is damaged ({type(e).__name__}: {e}); download it again") from None
-        elif os.path.exists(os.path.join(folder, weights)):
-            self._files = {k: weights for k in self._open(weights).keys()}
+        elif storage.exists(storage.join(folder, weights)):
+            try:
+                self._files = {k: weights for k in self._open(weights).keys()}
+            except UserError:
+                self._stack.close()
+                raise
         else:
             stem = "pytorch_model" if weights == WEIGHTS else weights.removesuffix(".safetensors")
             pickled = [n for n in (f"{stem}.bin", f"{stem}.bin.index.json")
-                       if os.path.exists(os.path.join(folder, n))]
+                       if storage.exists(storage.join(folder, n))]
             if pickled:
                 raise UserError(f"{folder} holds {pickled[0]}, a pickle, which jaxlm does not read; "
                                 "re-save it with save_pretrained(..., safe_serialization=True)")
-            raise UserError(f"{folder} has no {weights}" + (f" or {os.path.basename(index)}" if index else ""))
+            raise UserError(f"{folder} has no {weights}" + (f" or {storage.basename(index)}" if index else ""))
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        for h in self._handles.values():
-            h.__exit__(None, None, None)
         self._handles.clear()
+        self._stack.close()
 
     def _open(self, name: str):
         if name not in self._handles:
             from safetensors import safe_open
-            path = os.path.join(self.folder, name)
-            if not os.path.exists(path):
+            path = storage.join(self.folder, name)
+            if not storage.exists(path):
                 raise UserError(f"{path} does not exist but {INDEX} lists it; the download is incomplete")
             try:
-                handle = safe_open(path, framework="numpy").__enter__()
+                handle = safe_open(self._stack.enter_context(storage.local(path)), framework="numpy")
+                self._handles[name] = self._stack.enter_context(handle)
             except Exception as e:  # SafetensorError: a short file fails its header/size check
                 raise UserError(f"{path} is truncated or not a safetensors file "
                                 f"({str(e).splitlines()[0]}); download it again") from None
-            self._handles[name] = handle
         return self._handles[name]
 
     def keys(self) -> list[str]:
