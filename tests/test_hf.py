@@ -291,6 +291,21 @@ def test_missing_config_keys_take_transformers_defaults(kind, hf_folder, tmp_pat
         assert ours.rope_base == rope["rope_theta"]
 
 
+def test_tensors_land_in_their_shardings(hf_folder):
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    path, _ = hf_folder("gemma")
+    mesh = Mesh(np.asarray(jax.devices()).reshape(1, -1), ("batch", "model"))
+    sharded = NamedSharding(mesh, P("model"))
+
+    def placement(p, shape):
+        return sharded if p == "token_embedding/embeddings" else NamedSharding(mesh, P())
+    _, params = jaxlm.load(path, placement=placement)
+    emb = params["token_embedding"]["embeddings"]
+    assert emb.sharding == sharded and len(emb.addressable_shards) == len(jax.devices())
+    assert emb.addressable_shards[0].data.shape == (VOCAB // len(jax.devices()), 32)
+
+
 def test_reading_streams_one_tensor_at_a_time(tmp_path):
     import tracemalloc
     from jaxlm import families

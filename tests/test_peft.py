@@ -96,8 +96,11 @@ def test_trained_adapters_load_in_peft_with_jaxlm_logits(base, tmp_path):
                                                "up_proj", "down_proj"])
     ids, mask = batch()
     want = jaxlm_logits(model, lora.merge(params, adapters), ids, mask)
-    hf_base = transformers.AutoModelForCausalLM.from_pretrained(path)
-    loaded = peft.PeftModel.from_pretrained(hf_base, out).eval()
+    from jaxlm.convert import hf
+    namespace = {}  # the lines a run prints for its user load it
+    exec("\n".join(hf.usage(path, model.config, adapter_dir=out)), namespace)
+    loaded = namespace["model"].eval()
+    assert isinstance(loaded, peft.PeftModel)
     assert np.abs(peft_logits(loaded, ids, mask) - want)[mask].max() <= 1e-4
     assert np.abs(jaxlm_logits(model, params, ids, mask) - want)[mask].max() > 1e-2  # LoRA matters
     # peft adapted exactly the modules in the file, and the file back in jaxlm is the same LoRA
