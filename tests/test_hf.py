@@ -11,6 +11,7 @@ import pytest
 
 import jaxlm
 from conftest import random_norm_scales, ragged_batch
+from test_convert import run_cli  # one error line, exit code 2
 from jaxlm.convert.__main__ import main as convert_main
 from jaxlm.errors import UserError
 
@@ -325,15 +326,6 @@ def test_reading_streams_one_tensor_at_a_time(tmp_path):
 
 
 # --- bad input: one clear line, exit code 2 ------------------------------------------------------
-
-def run_cli(args, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        convert_main(args)
-    err = capsys.readouterr().err.strip()
-    assert exit_info.value.code == 2
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-    return err
-
 
 @pytest.fixture
 def hf_copy(hf_folder, tmp_path):

@@ -114,8 +114,10 @@ def save_peft(directory: str, adapters, config, *, base_model_name_or_path: str 
     loads onto the HF export of the same base model (`jaxlm.save(..., format="hf")`).
 
     config: the model's config (or the model). base_model_name_or_path: recorded in the config
-    (the HF export's folder or hub name; peft uses it when no base is passed). `directory` may
-    be a URL. Returns the file names written. See the module docstring for the ranks.
+    (the HF export's folder or hub name, from which `peft.AutoPeftModelForCausalLM` loads the
+    base). `directory` may be a URL. Returns the file names written. See the module docstring
+    for the ranks. The factors are read whole: on a multi-host run gather them first
+    (`multihost_utils.process_allgather(adapters, tiled=True)`) and call from process 0.
     """
     config = getattr(config, "config", config)
     kernels = _kernels(config)
