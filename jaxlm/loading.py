@@ -7,7 +7,8 @@ A jaxlm folder (written by `python -m jaxlm.convert` or `save`) is::
     tokenizer/        vocabulary.spm (or the family's tokenizer files)
 
 A llama.cpp `.gguf` file (Gemma 1/2/3), or a folder holding exactly one, is dequantised to
-float and mapped onto the same tree (jaxlm/convert/gguf.py).
+float and mapped onto the same tree (jaxlm/convert/gguf.py). A Hugging Face folder (config.json
+with a "model_type", safetensors weights) is read tensor by tensor (jaxlm/convert/hf.py).
 
 `placement(path, shape) -> Sharding` puts each tensor straight onto its device(s) as it is read
 or created; without it, tensors land on the default device.
@@ -31,12 +32,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxlm import checkpoint, families, precision, storage
-from jaxlm.convert import keras_preset
+from jaxlm.convert import hf, keras_preset
 from jaxlm.errors import UserError
 from jaxlm.tree import flatten, place_streamed, unflatten
 
 Placement = Callable[[str, tuple], jax.sharding.Sharding]
 FOLDER_META = "jaxlm.json"
+SAVE_FORMATS = ("jaxlm", "hf", "keras")
+_KIND_NAMES = {"preset": "built-in preset", "jaxlm": "jaxlm folder", "gguf": "GGUF file",
+               "hf": "Hugging Face folder"}
 
 
 def default_dtype() -> str:
@@ -45,7 +49,7 @@ def default_dtype() -> str:
 
 
 def resolve(path: str, dtype: str | None = None):
-    """-> (kind, family, config) without reading weights; kind in {"preset", "keras", "jaxlm", "gguf"}."""
+    """-> (kind, family, config) without reading weights; kind in {"preset", "keras", "jaxlm", "gguf", "hf"}."""
     path = os.fspath(path)
     dtype = precision.check_dtype(dtype, "dtype") or default_dtype()
     gguf_file = find_gguf(path)
@@ -59,9 +63,15 @@ def resolve(path: str, dtype: str | None = None):
         if storage.exists(storage.join(path, FOLDER_META)):
             family, config = _folder_config(path)
             return "jaxlm", family, config.replace(dtype=dtype)
+        if hf.is_hf_folder(path):
+            family, config = hf.read_config(path)
+            return "hf", family, config.replace(dtype=dtype)
         if storage.exists(storage.join(path, "config.json")):
             family, config = keras_preset.read_config(path)
             return "keras", family, config.replace(dtype=dtype)
+        if any(f.endswith(".safetensors") for f in storage.listdir(path)):
+            raise UserError(f"{path} holds safetensors weights but no config.json; an HF model "
+                            "folder needs the config.json saved with the weights")
         raise UserError(f"{path} is neither a Keras preset folder (no config.json) nor a jaxlm "
                         f"folder (no {FOLDER_META})")
     found = families.preset(path)
@@ -140,7 +150,7 @@ def load(path: str, dtype: str | None = None, abstract: bool = False, *,
         return model, unflatten(shapes)
     if weights is not None and kind != "keras":
         raise UserError("weights= applies to a Keras preset folder; "
-                        f"{path} is a {'built-in preset' if kind == 'preset' else 'jaxlm folder'}")
+                        f"{path} is a {_KIND_NAMES[kind]}")
     if kind == "keras":
         files = keras_preset.weight_files(path, weights)
         task = keras_preset.task_paths(family, config)
@@ -158,6 +168,8 @@ def load(path: str, dtype: str | None = None, abstract: bool = False, *,
         params = _restore_folder_params(path, shapes, placement)
     elif kind == "gguf":
         params = _read_gguf_params(find_gguf(path), config, shapes, placement)
+    elif kind == "hf":
+        params = hf.read_params(path, family, config, shapes, placement)
     else:
         params = init_params(storage_model, shapes, placement, seed)
     return model, params
@@ -173,8 +185,19 @@ def init_params(model, shapes: dict, placement: Placement | None, seed: int = 0)
     return params["params"]
 
 
-def save(out_dir: str, model, params: dict, tokenizer=None) -> None:
-    """Write a jaxlm folder (see module docstring). Overwrites `params/` atomically via orbax."""
+def save(out_dir: str, model, params: dict, tokenizer=None, format: str = "jaxlm") -> None:
+    """Write a jaxlm folder (see module docstring; `params/` is replaced atomically via orbax).
+
+    format: "jaxlm", "hf" (a Hugging Face folder, jaxlm/convert/hf.py) or "keras" (a Keras preset).
+    """
+    if format not in SAVE_FORMATS:
+        raise UserError(f"format={format!r}: choose one of {', '.join(SAVE_FORMATS)}")
+    if format == "hf":
+        hf.write_folder(out_dir, model.config, params, tokenizer)
+        return
+    if format == "keras":
+        keras_preset.write_preset(families.by_config(model.config), model.config, params, out_dir, tokenizer)
+        return
     import orbax.checkpoint as ocp
     family = families.by_config(model.config)
     storage.makedirs(out_dir)

@@ -65,8 +65,8 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str):
-    """A tokenizer from a Keras preset, a jaxlm folder, a `.spm`/`.model` file, a `.gguf` file
-    (its vocabulary rebuilt as a sentencepiece model) or a built-in preset name."""
+    """A tokenizer from a Keras preset, a jaxlm folder, a Hugging Face folder, a `.spm`/`.model`
+    file, a `.gguf` file (its vocabulary rebuilt as a sentencepiece model) or a built-in preset name."""
     from jaxlm import families
     from jaxlm.loading import find_gguf
     path = os.fspath(path)
@@ -86,10 +86,12 @@ def load_tokenizer(path: str):
         for rel in (SPM_ASSET, "tokenizer/vocabulary.spm"):
             if storage.exists(storage.join(path, rel)):
                 return load_tokenizer(storage.join(path, rel))
-        bpe = _maybe_bpe(path)
-        if bpe is not None:
-            return bpe
-        raise UserError(f"{path} holds no tokenizer (expected {SPM_ASSET} or tokenizer/vocabulary.spm)")
+        from jaxlm.convert import hf_tokenizer
+        found = hf_tokenizer.read_tokenizer(path) or _maybe_bpe(path)  # an HF folder's files, or a bare BPE folder
+        if found is not None:
+            return found
+        raise UserError(f"{path} holds no tokenizer (expected {SPM_ASSET}, tokenizer/vocabulary.spm "
+                        "or an HF folder's tokenizer.model / vocab.json + merges.txt)")
     return Tokenizer(storage.read_bytes(path))
 
 

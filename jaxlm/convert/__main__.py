@@ -1,8 +1,10 @@
-"""python -m jaxlm.convert KERAS_PRESET OUT_DIR           Keras preset -> jaxlm folder (orbax)
-   python -m jaxlm.convert --to-keras MODEL OUT_DIR       jaxlm folder / preset -> Keras preset
+"""python -m jaxlm.convert MODEL OUT_DIR              -> jaxlm folder (orbax)
+   python -m jaxlm.convert MODEL OUT_DIR --to=hf      -> Hugging Face folder (safetensors)
+   python -m jaxlm.convert MODEL OUT_DIR --to=keras   -> Keras preset (also --to-keras)
 
-MODEL may be anything `jaxlm.load` accepts. OUT_DIR must be new or empty (pass --overwrite to
-replace a previous conversion): a conversion never clobbers a folder it did not write.
+MODEL may be anything `jaxlm.load` accepts: a Keras preset, a Hugging Face folder, a jaxlm
+folder, a .gguf file or a built-in preset name. OUT_DIR must be new or empty (pass --overwrite
+to replace a previous conversion): a conversion never clobbers a folder it did not write.
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ from jaxlm.errors import UserError, cli
 def parse(argv):
     p = argparse.ArgumentParser(prog="python -m jaxlm.convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="Keras preset folder, jaxlm folder or built-in preset name")
+    p.add_argument("source", help="Keras preset, HF folder, jaxlm folder, .gguf or built-in preset name")
     p.add_argument("out_dir")
-    p.add_argument("--to-keras", action="store_true", help="write a Keras preset instead of a jaxlm folder")
+    p.add_argument("--to", default=None, help="output format: jaxlm (default), hf or keras")
+    p.add_argument("--to-keras", action="store_true", help="same as --to=keras")
     p.add_argument("--weights", help="a fine-tuned .weights.h5 (Keras save_weights) to apply on the preset")
     p.add_argument("--dtype", default=None, help="parameter dtype to store (default: float32 on CPU)")
     p.add_argument("--overwrite", action="store_true", help="allow a non-empty OUT_DIR")
@@ -32,20 +35,23 @@ def main(argv=None):
         raise UserError(f"{args.out_dir} is not empty; choose a new folder or pass --overwrite")
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         raise UserError(f"{args.out_dir} is a file; pass a folder")
+    if args.to_keras and args.to not in (None, "keras"):
+        raise UserError(f"--to-keras contradicts --to={args.to}; pass one of them")
+    to = "keras" if args.to_keras else args.to or "jaxlm"
     import jaxlm
-    from jaxlm import families
-    from jaxlm.convert import keras_preset
+    from jaxlm.convert import hf
+    from jaxlm.loading import SAVE_FORMATS
+    if to not in SAVE_FORMATS:
+        raise UserError(f"--to={to}: choose one of {', '.join(SAVE_FORMATS)}")
 
     model, params = jaxlm.load(args.source, dtype=args.dtype, weights=args.weights)
     tokenizer = _tokenizer_or_none(args.source)
-    if args.to_keras:
-        keras_preset.write_preset(families.by_config(model.config), model.config, params,
-                                  args.out_dir, tokenizer)
-    else:
-        jaxlm.save(args.out_dir, model, params, tokenizer)
+    jaxlm.save(args.out_dir, model, params, tokenizer, format=to)
     n = sum(x.size for x in __import__("jax").tree.leaves(params))
-    kind = "Keras preset" if args.to_keras else "jaxlm folder"
+    kind = {"keras": "Keras preset", "hf": "Hugging Face folder", "jaxlm": "jaxlm folder"}[to]
     print(f"wrote {kind} {args.out_dir} ({type(model).__name__}, {n:,} parameters)")
+    if to == "hf":
+        print("load it with:\n    " + "\n    ".join(hf.usage(args.out_dir, model.config)))
 
 
 def _tokenizer_or_none(source):

@@ -38,17 +38,17 @@ def keras_layers(config) -> list[str]:
     KerasHub's `layer.path`s in tests/test_lora.py).
     """
     family = getattr(config, "family", None)
-    if family == "gemma":
-        if config.use_post_attention_norm or config.use_post_ffw_norm:
-            raise UserError("KerasHub .lora.h5 layer order is known for Gemma 1 only; "
-                            "this config has Gemma 2 post-norms")
+    if family == "gemma":  # GemmaBackbone (Gemma 1, and 2 with post norms) and Gemma3Backbone
+        post_ffw = ["post_ffw_norm"] if config.use_post_ffw_norm else []
+        post_attention = ["post_attention_norm"] if config.use_post_attention_norm else []
+        qk = ["attention/key_norm", "attention/query_norm"] if config.use_query_key_norm else []
+        block = (["ffw_linear", "ffw_gating_2", "ffw_gating"] + post_ffw + ["pre_ffw_norm", "attention",
+                 "attention/attention_output"] + qk + ["attention/value", "attention/key", "attention/query"]
+                 + post_attention + ["pre_attention_norm"])
         out = ["token_embedding"]
         for i in range(config.num_layers):
             b = f"decoder_block_{i}"
-            out += [b, f"{b}/ffw_linear", f"{b}/ffw_gating_2", f"{b}/ffw_gating",
-                    f"{b}/pre_ffw_norm", f"{b}/attention"]
-            out += [f"{b}/attention/{n}" for n in ("attention_output", "value", "key", "query")]
-            out.append(f"{b}/pre_attention_norm")
+            out += [b] + [f"{b}/{n}" for n in block]
         return out + ["final_normalization"]
     if family == "roberta":
         out = ["embeddings", "embeddings/position_embedding", "embeddings/token_embedding",

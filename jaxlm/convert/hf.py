@@ -1,0 +1,177 @@
+"""Hugging Face model folders, both ways: `jaxlm.load(DIR)` reads one, `jaxlm.save(OUT, model,
+params, tokenizer, format="hf")` (or `python -m jaxlm.convert SRC OUT --to=hf`) writes one that
+`transformers.AutoModelForCausalLM.from_pretrained(OUT)` (Gemma) or `AutoModelForMaskedLM`
+(RoBERTa) and `AutoTokenizer.from_pretrained(OUT)` load with no extra arguments.
+
+A folder is::
+
+    config.json                    "model_type": gemma / gemma2 / gemma3_text / gemma3 / roberta
+    model.safetensors              or model.safetensors.index.json + model-0000i-of-0000n.safetensors
+    tokenizer.model                Gemma: the sentencepiece model (+ tokenizer_config.json)
+    vocab.json, merges.txt         RoBERTa: byte-level BPE (+ tokenizer_config.json)
+
+Each family's config fields and tensor names live in `hf_gemma` / `hf_roberta`, the tokenizer
+files in `hf_tokenizer`; this module checks a folder against them and streams the tensors
+(see `hf_tensors`).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import re
+
+import jax
+import numpy as np
+
+from jaxlm import families, storage
+from jaxlm.convert import hf_gemma, hf_roberta
+from jaxlm.convert.hf_tensors import MAX_SHARD_BYTES, Reader, write_folder_weights
+from jaxlm.convert.hf_tokenizer import write_tokenizer
+from jaxlm.errors import UserError
+from jaxlm.tree import flatten, place_streamed
+
+FORMATS = {"gemma": hf_gemma, "roberta": hf_roberta}  # family name -> its HF mapping
+CONFIG = "config.json"
+SPECIAL_IDS = {"gemma": {"bos": 2, "eos": 1, "pad": 0}, "roberta": {"bos": 0, "eos": 2, "pad": 1}}
+
+
+def is_hf_folder(path: str) -> bool:
+    """Whether `path` is a folder whose config.json is a transformers config (has "model_type")."""
+    return storage.isdir(path) and "model_type" in _config_json(path, missing_ok=True)
+
+
+def _config_json(folder: str, missing_ok: bool = False) -> dict:
+    path = storage.join(folder, CONFIG)
+    if not storage.exists(path):
+        if missing_ok:
+            return {}
+        raise UserError(f"{folder} has no {CONFIG}")
+    try:
+        raw = json.loads(storage.read_text(path))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e}); download it again") from None
+    return raw if isinstance(raw, dict) else {}
+
+
+def read_config(folder: str):
+    """-> (family, config) from an HF folder's config.json."""
+    raw = _config_json(folder)
+    model_type = raw.get("model_type")
+    for name, fmt in FORMATS.items():
+        if model_type in fmt.MODEL_TYPES:
+            return families.by_name(name), fmt.config_from_hf(raw)
+    known = [t for fmt in FORMATS.values() for t in fmt.MODEL_TYPES]
+    raise UserError(f"{folder}: model_type {model_type!r} is not supported; supported: {', '.join(known)}")
+
+
+def read_params(folder: str, family, config, abstract: dict, placement=None) -> dict:
+    """Stream an HF folder's tensors into a nested dict shaped like `abstract` ({path: ShapeDtypeStruct}).
+
+    Every tensor's shape is checked against the config before any data is read; tensors the
+    model does not use (a multimodal checkpoint's vision tower, RoBERTa's pooler) are skipped.
+    """
+    fmt = FORMATS[family.name]
+    table = fmt.tensors(config, _config_json(folder))
+    with Reader(folder) as reader:
+        present = set(reader.keys())
+        prefix = _text_tower_prefix(fmt, present)
+        file_key = lambda k: prefix + k.removeprefix("model.") if prefix else k  # noqa: E731
+        wanted = {file_key(k): shape for t in table.values() for k, shape in zip(t.keys, t.shapes)}
+        missing = sorted(set(wanted) - present)
+        if missing:
+            raise UserError(f"{folder} lacks {len(missing)} tensors the config needs ({missing[0]}, ...); "
+                            "the checkpoint is incomplete or its config.json belongs to another model")
+        ignored = re.compile("|".join(fmt.IGNORED))
+        unexpected = sorted(k for k in present - set(wanted) if not ignored.fullmatch(k))
+        if unexpected:
+            raise UserError(f"{folder} holds tensors jaxlm's {family.name} has no place for "
+                            f"({', '.join(unexpected[:3])}); is it a {family.name} checkpoint?")
+        for key, shape in wanted.items():
+            got = reader.shape(key)
+            if got != tuple(shape):
+                raise UserError(f"tensor {key} has shape {got} in the file but {CONFIG} implies "
+                                f"{tuple(shape)}; the weights do not belong to this config")
+
+        def fetch(path):
+            t = table[path]
+            return np.asarray(t.to_ours(*(reader.get(file_key(k)) for k in t.keys)))
+
+        return place_streamed(abstract, fetch, placement,
+                              lambda p, got, want: f"{p}: converted shape {got}, expected {want}")
+
+
+def _text_tower_prefix(fmt, present: set) -> str:
+    """'' for a text model; a multimodal Gemma 3's prefix of its language model's tensors."""
+    if "model.embed_tokens.weight" in present or not hasattr(fmt, "TEXT_TOWER_PREFIXES"):
+        return ""
+    for prefix in fmt.TEXT_TOWER_PREFIXES:
+        if f"{prefix}embed_tokens.weight" in present:
+            return prefix
+    return ""
+
+
+def special_ids(family, tokenizer=None) -> dict:
+    if tokenizer is None:
+        return dict(SPECIAL_IDS[family.name])
+    return {"bos": tokenizer.bos_id, "eos": tokenizer.eos_id, "pad": tokenizer.pad_id}
+
+
+def hf_config(config, tokenizer=None) -> dict:
+    """The config.json an export of `config` gets (a UserError if transformers cannot run it)."""
+    family = families.by_config(config)
+    if family.name not in FORMATS:
+        raise UserError(f"no Hugging Face format for model family {family.name!r}")
+    return FORMATS[family.name].config_to_hf(config, special_ids(family, tokenizer))
+
+
+def write_folder(out_dir: str, config, params: dict, tokenizer=None, *,
+                 max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+    """Write an HF folder (see module docstring); `out_dir` may be a URL. -> the files written.
+
+    Tensors are fetched, converted and written one at a time in the weights' dtype. On a
+    multi-host run every process must call this (each tensor is gathered from the hosts holding
+    its shards) and process 0 writes.
+    """
+    family = families.by_config(config)
+    hf = hf_config(config, tokenizer)  # first: an unsupported config fails before anything is written
+    table = FORMATS[family.name].tensors(config)
+    flat = flatten(params)
+    # One dtype for the file, as transformers writes: the weights' (norm scales, which jaxlm
+    # keeps in float32 under any compute dtype, follow them).
+    dtype = collections.Counter(str(x.dtype) for x in flat.values()).most_common(1)[0][0]
+    hf.update(dtype=dtype, torch_dtype=dtype)
+    specs = [(key, shape, dtype) for t in table.values() for key, shape in zip(t.keys, t.shapes)]
+
+    def arrays():
+        for path, t in table.items():
+            yield from (w.astype(dtype, copy=False) for w in t.to_hf(_host_array(flat[path])))
+
+    lead = jax.process_index() == 0
+    if lead:
+        storage.makedirs(out_dir)
+    names = write_folder_weights(out_dir, specs, arrays(), max_shard_bytes, write=lead)
+    if not lead:
+        return []
+    storage.write_text(storage.join(out_dir, CONFIG), json.dumps(hf, indent=2))
+    names.append(CONFIG)
+    if tokenizer is not None:
+        names += write_tokenizer(out_dir, tokenizer)
+    return names
+
+
+def _host_array(x) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+
+def usage(model_dir: str, config, adapter_dir: str | None = None) -> list[str]:
+    """The lines of Python that load an export with transformers (and peft, for adapters)."""
+    auto = "AutoModelForMaskedLM" if families.by_config(config).name == "roberta" else "AutoModelForCausalLM"
+    lines = [f"import transformers{', peft' if adapter_dir else ''}",
+             f"model = transformers.{auto}.from_pretrained({model_dir!r})",
+             f"tokenizer = transformers.AutoTokenizer.from_pretrained({model_dir!r})"]
+    if adapter_dir:
+        lines.append(f"model = peft.PeftModel.from_pretrained(model, {adapter_dir!r})")
+    return lines
