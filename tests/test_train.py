@@ -193,20 +193,23 @@ def test_default_preset_is_the_demo_model_when_installed(monkeypatch, capsys):
     assert lm.default_preset() == "gemma_tiny"
 
 
-def test_export_skips_the_keras_lora_file_where_its_layout_is_unknown(tmp_path, capsys):
-    """Gemma 3 (the demo model): KerasHub's .lora.h5 layer order is unknown, so the run ends with
-    the orbax adapters and a note instead of failing after training."""
+def test_export_writes_every_adapter_format(tmp_path, capsys):
+    """Gemma 1 and Gemma 3 (the demo model): adapters/ (no flags to load), KerasHub's .lora.h5,
+    PEFT's adapter beside a Hugging Face export of the base, and the lines that load them."""
     from jaxlm import lora
     from jaxlm.train.export import export
     from models.gemma import Gemma, PRESETS
     gemma3 = PRESETS["gemma_tiny"].replace(use_post_attention_norm=True, use_post_ffw_norm=True,
-                                           use_query_key_norm=True)
-    assert lora.keras_lora_supported(PRESETS["gemma_tiny"]) and not lora.keras_lora_supported(gemma3)
+                                           use_query_key_norm=True, sliding_window_size=8,
+                                           sliding_window_pattern=6)
     for cfg, name in ((gemma3, "g3"), (PRESETS["gemma_tiny"], "g1")):
         model = Gemma(cfg)
         params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
-        adapters = lora.init(params, 2, key=jax.random.key(1))
-        export(str(tmp_path / name), model, params, adapters, None)
-        assert (tmp_path / name / "adapters").is_dir()
-        assert (tmp_path / name / "adapters.lora.h5").exists() == (cfg is not gemma3)
-    assert "no adapters.lora.h5" in capsys.readouterr().out
+        adapters = lora.init(params, 2, key=jax.random.key(1), alpha=8)
+        written = export(str(tmp_path / name), model, params, adapters, None)
+        assert written[:3] == ["adapters/", "adapters.lora.h5", "base_hf/ (the base model, Hugging Face)"]
+        assert lora.load(str(tmp_path / name / "adapters")).alpha == 8
+        for f in ("adapters.lora.h5", "adapters_peft/adapter_config.json", "base_hf/config.json"):
+            assert (tmp_path / name / f).exists(), f
+    out = capsys.readouterr().out
+    assert "peft.PeftModel.from_pretrained(model, " in out and "no adapters.lora.h5" not in out

@@ -259,5 +259,5 @@ def run(a: cli.Args) -> int:
     if "exact_match" in before and "exact_match" in after:
         print(f"exact match: {before['exact_match']:.1%} before -> {after['exact_match']:.1%} after")
     export(a.out, base_model, frozen if a.lora_rank else trained, trained if a.lora_rank else None,
-           tokenizer, merged=a.export == "merged")
+           tokenizer, merged=a.export == "merged", base=a.preset)
     return 0
