@@ -67,7 +67,7 @@ def resolve(path: str, dtype: str | None = None):
             family, config = hf.read_config(path)
             return "hf", family, config.replace(dtype=dtype)
         if storage.exists(storage.join(path, "config.json")):
-            family, config = keras_preset.read_config(path)
+            family, config = families.read_keras_config(path)
             return "keras", family, config.replace(dtype=dtype)
         if any(f.endswith(".safetensors") for f in storage.listdir(path)):
             raise UserError(f"{path} holds safetensors weights but no config.json; an HF model "

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jaxlm
+from jaxlm import families
 from jaxlm.convert import keras_preset
 from jaxlm.convert.__main__ import main as convert_main
 from jaxlm.errors import UserError
@@ -72,7 +73,7 @@ def test_weights_are_streamed_one_tensor_at_a_time(keras_gemma_preset):
     flat = {p: s for p, s in keras_preset.flatten(shapes).items()}
     sizes = [int(np.prod(s.shape)) * 4 for s in flat.values()]
     tracemalloc.start()
-    params = keras_preset.read_params(*keras_preset.read_config(path), keras_preset.weight_files(path), flat)
+    params = keras_preset.read_params(*families.read_keras_config(path), keras_preset.weight_files(path), flat)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert sum(sizes) > 8 * max(sizes)  # the check below means something only for many tensors

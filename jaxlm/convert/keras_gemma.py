@@ -12,8 +12,7 @@ import sys
 
 from jaxlm.convert.keras_preset import dtype_policy
 from jaxlm.errors import UserError
-from jaxlm.families import Family, register
-from models.gemma import Gemma, GemmaConfig, PRESETS
+from models.gemma import GemmaConfig
 
 # our sub-path under decoder_block_{i}/ -> KerasHub attribute path under the block's H5 group
 _BLOCK = {
@@ -160,9 +159,3 @@ def config_to_keras(cfg: GemmaConfig) -> dict:
         },
         "registered_name": "keras_hub>GemmaBackbone",
     }
-
-
-FAMILY = register(Family(
-    name="gemma", config_cls=GemmaConfig, module_cls=Gemma, presets=PRESETS,
-    keras_classes=("GemmaBackbone", "Gemma3Backbone"), config_from_keras=config_from_keras,
-    config_to_keras=config_to_keras, keras_paths=keras_paths, keras_tasks=("CausalLM",)))

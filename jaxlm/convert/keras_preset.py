@@ -19,26 +19,11 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxlm import families, storage
+from jaxlm import storage
 from jaxlm.errors import UserError
 from jaxlm.tree import flatten, place_streamed
 
 TASK_PREFIX = "task:"  # a family's keras_paths value with this prefix lives in task.weights.h5
-
-
-def read_config(preset_dir: str):
-    """-> (family, config) from a preset's config.json (keras_hub> and keras_nlp> names)."""
-    path = storage.join(preset_dir, "config.json")
-    try:
-        raw = json.loads(storage.read_text(path))
-    except FileNotFoundError:
-        raise UserError(f"{preset_dir} is not a Keras preset folder: it has no config.json") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e}); re-export the preset") from None
-    name = raw.get("registered_name") or raw.get("class_name") or ""
-    class_name = name.split(">")[-1]  # "keras_hub>GemmaBackbone" / "keras_nlp>GemmaBackbone"
-    family = families.by_keras_class(class_name)
-    return family, family.config_from_keras(raw.get("config", {}))
 
 
 class H5Store:

@@ -16,8 +16,7 @@ import json
 from jaxlm import storage
 from jaxlm.convert.keras_preset import dtype_policy
 from jaxlm.errors import UserError
-from jaxlm.families import Family, register
-from models.roberta import PRESETS, Roberta, RobertaConfig
+from models.roberta import RobertaConfig
 
 # our sub-path under transformer_layer_{i}/ -> KerasHub attribute path under the encoder's H5 group
 _ATTN = {"query": "query_dense", "key": "key_dense", "value": "value_dense",
@@ -103,10 +102,3 @@ def write_task_json(cfg: RobertaConfig, preset_dir: str) -> None:
                        "name": "roberta_masked_lm", "trainable": True},
             "registered_name": "keras_hub>RobertaMaskedLM"}
     storage.write_text(storage.join(preset_dir, "task.json"), json.dumps(task, indent=4))
-
-
-FAMILY = register(Family(
-    name="roberta", config_cls=RobertaConfig, module_cls=Roberta, presets=PRESETS,
-    keras_classes=("RobertaBackbone",), config_from_keras=config_from_keras,
-    config_to_keras=config_to_keras, keras_paths=keras_paths, keras_tasks=("MaskedLM",),
-    write_extras=write_task_json))
