@@ -1,6 +1,6 @@
 """jaxlm: Gemma and RoBERTa in plain JAX/Flax.
 
-The public face (see ARCHITECTURE.md, "Public API contract"):
+The public face (the promise to users; docs/architecture.md, "Public API"):
 
     model, params = jaxlm.load(path, dtype=None, abstract=False)
     logits = model.apply({"params": params}, token_ids, padding_mask)

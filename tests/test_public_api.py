@@ -1,4 +1,4 @@
-"""The promise to users (ARCHITECTURE.md, "Public API contract"): entry points and their shapes."""
+"""The promise to users (docs/architecture.md, "Public API"): entry points and their shapes."""
 import jax
 import jax.numpy as jnp
 import numpy as np

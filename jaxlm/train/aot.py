@@ -32,7 +32,7 @@ from jaxlm.train import optim, trainer
 from jaxlm.train.loss import CHUNK_LOGITS, lm_loss_fn
 
 GiB = 1024 ** 3
-# Usable HBM per device as the TPU compiler reports it (shared/reference/tpu_aot.md); v6e: the
+# Usable HBM per device as the TPU compiler reports it in its out-of-memory message; v6e: the
 # 32 GiB spec less the same ~0.5 GiB reserve (not checked against the compiler's message).
 HBM_GIB = {"v2": 7.48, "v3": 15.48, "v4": 30.75, "v5e": 15.75, "v5p": 95.73, "v6e": 31.25}
 # Topologies known to compile (vX:AxB[xC] form; "v5e-8" is rejected by libtpu).
