@@ -1,0 +1,133 @@
+"""What a run leaves to look at: a time table, TensorBoard event files, a loss curve PNG.
+
+    phases = Phases()
+    with phases("load"):
+        ...
+    print(phases.table())                       # seconds per phase and in all
+    board = TensorBoard(out)                     # out/tensorboard/events.out.tfevents.*
+    board.write(rows)                            # the rows loop.run appends to metrics.jsonl
+    plot(out)                                    # out/metrics.png from out/metrics.jsonl
+
+TensorBoard is the JAX ecosystem's convention (MaxText, tunix); tensorboardX writes its event
+files without TensorFlow. It writes local files itself; for URLs (`gs://...`) the writer goes
+through `jaxlm.storage`, rewriting the object at each flush (object stores cannot append), as
+metrics.jsonl does. The PNG is drawn by matplotlib (Agg, no display).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import time
+
+from jaxlm import storage
+
+
+class Phases:
+    """Wall-clock seconds of the named phases of a run, in the order they ran."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def table(self) -> str:
+        total = time.perf_counter() - self.start
+        width = max([len(n) for n in self.seconds] + [5])
+        lines = [f"time: {'phase':<{width}}  seconds"]
+        lines += [f"      {n:<{width}}  {s:8.1f}" for n, s in self.seconds.items()]
+        lines.append(f"      {'total':<{width}}  {total:8.1f}")
+        return "\n".join(lines)
+
+
+class _StorageWriter:
+    """tensorboardX's record file on a URL: buffered, uploaded whole at each flush."""
+
+    def __init__(self, path: str):
+        self.path, self.buffer = path, io.BytesIO()
+
+    def write(self, data: bytes) -> None:
+        self.buffer.write(data)
+
+    def flush(self) -> None:
+        storage.write_bytes(self.path, self.buffer.getvalue())
+
+    def close(self) -> None:
+        self.flush()
+
+
+class _StorageWriterFactory:
+    def open(self, path):
+        return _StorageWriter(path)
+
+    def directory_check(self, path):
+        pass  # object stores need no folders
+
+
+class TensorBoard:
+    """Scalars of every metrics row (loss, accuracy, tokens/s, ...) as TensorBoard events under
+    `out/tensorboard/` (`tensorboard --logdir OUT/tensorboard`)."""
+
+    SKIP = ("step",)
+
+    def __init__(self, out: str):
+        from tensorboardX import SummaryWriter, record_writer
+        logdir = storage.join(out, "tensorboard")
+        if storage.is_url(logdir):
+            record_writer.register_writer_factory(logdir.split("://")[0], _StorageWriterFactory())
+        else:
+            storage.makedirs(logdir)
+        self.writer = SummaryWriter(logdir)
+
+    def write(self, rows: list[dict]) -> None:
+        for row in rows:
+            for key, value in row.items():
+                if key not in self.SKIP and isinstance(value, (int, float)):
+                    self.writer.add_scalar(f"train/{key}", value, row["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def read_metrics(out: str) -> list[dict]:
+    path = storage.join(out, "metrics.jsonl")
+    if not storage.exists(path):
+        return []
+    return [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
+
+
+def plot(out: str, name: str = "metrics.png") -> str | None:
+    """Loss and token accuracy against the step, from out/metrics.jsonl -> the PNG's path
+    (None when there is nothing to draw). A resumed run's rows all count."""
+    rows = read_metrics(out)
+    if not rows:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    steps = [r["step"] for r in rows]
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
+    loss_ax.plot(steps, [r["loss"] for r in rows], color="tab:blue")
+    loss_ax.set(xlabel="step", ylabel="loss", title="training loss")
+    acc_ax.plot(steps, [r["accuracy"] for r in rows], color="tab:green")
+    acc_ax.set(xlabel="step", ylabel="token accuracy", title="token accuracy", ylim=(0, 1))
+    for ax in (loss_ax, acc_ax):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    path = storage.join(out, name)
+    storage.write_bytes(path, buf.getvalue())
+    return path
