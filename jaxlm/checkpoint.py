@@ -156,7 +156,13 @@ def save_tree(path: str, tree) -> None:
 
 
 def load_tree(path: str, like=None):
-    """Read a tree written by `save_tree` (onto `like`'s shardings when given)."""
+    """Read a tree written by `save_tree`: onto `like`'s shardings when given, else whole on
+    this process's first device (whatever mesh wrote it: 8 simulated devices, a pod slice)."""
+    path = storage.absolute(path)
     with checkpointer() as ckptr:
-        return ckptr.restore(storage.absolute(path), args=ocp.args.StandardRestore(
-            None if like is None else abstract_like(like)))
+        if like is None:
+            device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            stored = ckptr.metadata(path).item_metadata
+            like = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                                stored.tree if hasattr(stored, "tree") else stored)
+        return ckptr.restore(path, args=ocp.args.StandardRestore(abstract_like(like)))

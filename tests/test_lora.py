@@ -1,5 +1,6 @@
 """LoRA as a tree transform: counts, init, merge, and KerasHub .lora.h5 files both ways."""
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -201,3 +202,26 @@ def test_roberta_kerashub_lora_file_gives_kerashub_effective_kernels(tmp_path):
             got = merged[f"{layer.path}/kernel"]
             np.testing.assert_allclose(got, np.asarray(layer.kernel), atol=1e-5)
             assert np.abs(got - flatten(params)[f"{layer.path}/kernel"]).max() > 1e-2
+
+
+def test_adapter_folder_loads_on_another_topology(tmp_path):
+    """Adapters saved sharded over 8 devices load with no flags in a 1-device process (a
+    laptop reading what a pod wrote), whole on its device, with their alpha."""
+    import subprocess
+    import sys
+    import sharding
+    _, params = jaxlm.load("gemma_tiny", abstract=True)
+    mesh = sharding.make_mesh("1x8")
+    adapters = lora.init(params, 4, key=jax.random.key(0), alpha=12)
+    specs = sharding.adapter_specs(adapters, sharding.partition_specs(params, sharding.rules_for(
+        jaxlm.load("gemma_tiny", abstract=True)[0].config), mesh), mesh)
+    adapters = jax.device_put(adapters, jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs))
+    assert len(adapters["decoder_block_0"]["attention"]["query"]["lora_a"].sharding.device_set) == 8
+    lora.save(str(tmp_path / "adapters"), adapters)
+    code = ("import jax, jaxlm; a = jaxlm.lora.load(%r); "
+            "x = a['decoder_block_0']['attention']['query']['lora_a']; "
+            "print(jax.device_count(), a.alpha, x.shape, len(x.sharding.device_set))") % str(tmp_path / "adapters")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "12.0", "(4,", "128,", "4)", "1"]

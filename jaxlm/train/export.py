@@ -57,7 +57,8 @@ def export(out: str, model, params, adapters: lora.Adapters | None, tokenizer, *
             if lead:
                 lora.save_peft(peft_dir, whole, model.config, base_model_name_or_path=base_hf)
             written.append("adapters_peft/ (PEFT)")
-            usage.append(("the base with the PEFT adapters", hf.usage(base_hf, model.config, peft_dir)))
+            usage.append(("the base with the PEFT adapters",
+                          hf.usage(base_hf, model.config, storage.absolute(peft_dir))))
     if adapters is None or merged:
         full = params if adapters is None else jax.jit(lora.merge)(params, adapters)
         save(storage.join(out, "merged"), model, full, tokenizer)
@@ -66,7 +67,7 @@ def export(out: str, model, params, adapters: lora.Adapters | None, tokenizer, *
             merged_hf = storage.join(out, "merged_hf")
             save(merged_hf, model, full, tokenizer, format="hf")
             written.append("merged_hf/ (Hugging Face)")
-            usage.append(("the merged model", hf.usage(merged_hf, model.config)))
+            usage.append(("the merged model", hf.usage(storage.absolute(merged_hf), model.config)))
         if jax.process_count() == 1:
             save(storage.join(out, "merged_keras"), model, full, tokenizer, format="keras")
             written.append("merged_keras/ (Keras preset)")
