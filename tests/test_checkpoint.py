@@ -104,7 +104,7 @@ def test_merged_export_sharding_listing_and_full_finetune(tmp_path):
     import jaxlm
     from jaxlm import lora
 
-    quick = ["--mesh=1x8", "--steps=3", "--batch_size=8", "--sequence_length=16",
+    quick = ["--mesh=1x8", "--steps=3", "--batch_size=8", "--sequence_length=16", "--loss_on=all",
              "--eval_examples=0", "--num_samples=0", "--learning_rate=0.05"]
     merged_run = launch(quick + ["--lora_rank=4", "--print_sharding", "--export=merged",
                                  f"--out={tmp_path}/lora"])

@@ -27,7 +27,7 @@ BUCKET = "jaxlm-test"
 # Two devices: every sharded array is two objects per checkpoint (the emulator serves one
 # request at a time, ~20 ms each, so eight-way shards would make each save take seconds).
 TINY = ["--preset=gemma_tiny", "--mesh=1x2", "--lora_rank=4", "--batch_size=8",
-        "--sequence_length=16", "--eval_examples=0", "--num_samples=0", "--log_every=2"]
+        "--sequence_length=16", "--loss_on=all", "--eval_examples=0", "--num_samples=0", "--log_every=2"]
 
 pytestmark = pytest.mark.skipif(shutil.which("gcp-storage-emulator") is None,
                                 reason="needs gcp-storage-emulator (the test extra)")

@@ -20,7 +20,7 @@ from jaxlm.errors import UserError
 from jaxlm.train import loss as L, optim, trainer
 from test_train_cli import finished, launch
 
-QUICK = ["--preset=gemma_tiny", "--mesh=1x8", "--batch_size=8", "--sequence_length=16",
+QUICK = ["--preset=gemma_tiny", "--mesh=1x8", "--batch_size=8", "--sequence_length=16", "--loss_on=all",
          "--eval_examples=0", "--num_samples=0", "--steps=3", "--save_every=1", "--keep=3",
          "--log_every=1", "--learning_rate=5e-5", "--compute_dtype=bfloat16"]
 

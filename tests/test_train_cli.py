@@ -11,7 +11,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tiny and quick, but long enough (in steps) that a kill lands mid-run.
 TINY = ["--mesh=1x8", "--lora_rank=4", "--steps=50", "--save_every=3", "--keep=2",
-        "--batch_size=8", "--sequence_length=16", "--eval_examples=0", "--num_samples=0",
+        "--batch_size=8", "--sequence_length=16", "--loss_on=all", "--eval_examples=0", "--num_samples=0",
         "--log_every=20"]
 
 

@@ -83,8 +83,16 @@ def load_data(a: cli.Args, tokenizer):
         held = None
     else:
         train, held = data.builtin_dataset()
-    rows = data.encode(tokenizer, train, template, a.sequence_length,
-                       loss_on=a.loss_on or cli.DEFAULT_LOSS_ON)
+    loss_on = a.loss_on or cli.DEFAULT_LOSS_ON
+    rows = data.encode(tokenizer, train, template, a.sequence_length, loss_on=loss_on)
+    unscored = int((~rows["loss_mask"][:, 1:].any(1)).sum())
+    if unscored == len(train):
+        raise UserError(f"no example has a {loss_on} token within --sequence_length="
+                        f"{a.sequence_length} (the prompts fill it); raise --sequence_length"
+                        + (" or use --loss_on=all" if loss_on == "response" else ""))
+    if unscored:
+        print(f"warning: {unscored} of {len(train)} examples have no {loss_on} token within "
+              f"--sequence_length={a.sequence_length} and teach nothing", file=sys.stderr)
     mask = rows["padding_mask"]
     truncated = int((mask.sum(1) == mask.shape[1]).sum())
     print(f"data: {len(train)} examples from {a.data or 'the built-in dataset'}, sequence_length "
