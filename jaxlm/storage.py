@@ -116,7 +116,10 @@ def rename(src, dst) -> None:
     fs, _ = fsspec.core.url_to_fs(src)
     fs.copy(src, dst, recursive=True)  # server-side copies (rewriteTo on Cloud Storage)
     fs.rm(src, recursive=True)
-    fs.invalidate_cache()  # else a cached listing still shows `src` to orbax in this process
+    # Every live instance of this filesystem may still list `src` from its listing cache; etils
+    # (so orbax) keeps its own, made with other options, for the life of the process.
+    for instance in list(type(fs)._cache.values()):  # fsspec's registry of instances
+        instance.invalidate_cache()
 
 
 def remove_tree(p) -> None:

@@ -93,8 +93,11 @@ def test_train_writes_checkpoints_and_exports_to_the_bucket_and_resumes_after_ki
     args = ["--steps=24", "--save_every=4", "--keep=2", f"--out={out}"]
     victim = _train(args, child, cwd, start_new_session=True)
     deadline = time.time() + 300
-    while time.time() < deadline and victim.poll() is None and not _committed(fs, "run"):
-        time.sleep(0.2)
+    # Kill as the second save starts, so the rerun usually finds a step cut short in the
+    # bucket (moved aside, then saved again: orbax must not see the moved one as still there).
+    while time.time() < deadline and victim.poll() is None and not fs.find(f"{BUCKET}/run/checkpoints/8"):
+        fs.invalidate_cache()
+        time.sleep(0.1)
     assert victim.poll() is None, ("the run ended before it could be killed", victim.communicate())
     os.killpg(victim.pid, signal.SIGKILL)
     victim.communicate()
