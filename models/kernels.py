@@ -65,14 +65,20 @@ def _cpu_gated_ffn(x, w_gate, w_up, w_down):
     which then wrote [F, N] with strided stores: about a fifth of a full fine-tune step on the
     bench config (`python bench/train_step.py`: full fine-tune 465.6 -> 567-582 tokens/s, LoRA
     789 -> 823-849, on 2026-11-30, bench/README.md). Here every weight gradient is an
-    [H, N] @ [N, F] product, so only [N, H]-sized arrays are ever transposed.
+    [H, N] @ [N, F] product, so only [N, H]-sized arrays are ever transposed. When none of the
+    three kernels is differentiated (a LoRA step that leaves the FFN frozen) the backward
+    computes the input gradient only, as autodiff would.
     """
-    return _cpu_gated_ffn_fwd(x, w_gate, w_up, w_down)[0]
+    return layers.gated_ffn(x, w_gate, w_up, w_down)
 
 
 def _cpu_gated_ffn_fwd(x, w_gate, w_up, w_down):
+    """Arguments are CustomVJPPrimals (symbolic zeros): `.perturbed` says which are trained.
+    The residual x is None when no kernel needs a gradient."""
+    trained = w_gate.perturbed or w_up.perturbed or w_down.perturbed
+    x, w_gate, w_up, w_down = x.value, w_gate.value, w_up.value, w_down.value
     gate, up = x @ w_gate, x @ w_up
-    return layers.geglu(gate, up) @ w_down, (x, w_gate, w_up, w_down, gate, up)
+    return layers.geglu(gate, up) @ w_down, (x if trained else None, w_gate, w_up, w_down, gate, up)
 
 
 def _cpu_gated_ffn_bwd(residuals, d_out):
@@ -83,13 +89,15 @@ def _cpu_gated_ffn_bwd(residuals, d_out):
     d_gelu = 0.5 * (1 + t) + 0.5 * gate * (1 - t * t) * a * (1 + 3 * c * gate * gate)
     d_hidden = d_out @ w_down.T
     d_gate, d_up = d_hidden * up * d_gelu, d_hidden * gelu
+    if x is None:
+        return d_gate @ w_gate.T + d_up @ w_up.T, None, None, None
     x_t = x.T
     d_w_down = (d_out.T @ (gelu * up)).T
     d_x = d_gate @ w_gate.T + d_up @ w_up.T
     return d_x, x_t @ d_gate, x_t @ d_up, d_w_down
 
 
-_cpu_gated_ffn.defvjp(_cpu_gated_ffn_fwd, _cpu_gated_ffn_bwd)
+_cpu_gated_ffn.defvjp(_cpu_gated_ffn_fwd, _cpu_gated_ffn_bwd, symbolic_zeros=True)
 
 
 # --- Decoding: one token per step ------------------------------------------------------------

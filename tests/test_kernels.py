@@ -25,6 +25,20 @@ def test_cpu_ffn_backward_equals_autodiff():
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
 
 
+def test_frozen_ffn_kernels_get_no_gradient_work():
+    """Differentiated for x only (a LoRA step leaves the FFN frozen), the CPU backward runs
+    the input gradient's two products and no [H, F] weight gradient; for x and the kernels,
+    all of them, equal to autodiff's."""
+    x = jax.random.normal(jax.random.key(0), (6, 4))
+    ws = [jax.random.normal(jax.random.key(i), s) for i, s in ((1, (4, 10)), (2, (4, 10)), (3, (10, 4)))]
+    loss = lambda f: lambda x, *w: f(x, *w).sum()  # noqa: E731
+    frozen = str(jax.make_jaxpr(jax.grad(loss(kernels._cpu_gated_ffn)))(x, *ws))
+    trained = str(jax.make_jaxpr(jax.grad(loss(kernels._cpu_gated_ffn), argnums=(0, 1, 2, 3)))(x, *ws))
+    assert "f32[4,10] = dot_general" not in frozen and "f32[4,10] = dot_general" in trained
+    np.testing.assert_allclose(jax.grad(loss(kernels._cpu_gated_ffn))(x, *ws),
+                               jax.grad(loss(layers.gated_ffn))(x, *ws), rtol=1e-5, atol=1e-5)
+
+
 def _loss_grad(model, ids):
     def loss(p):
         return model.apply({"params": p}, ids).astype(jnp.float32).sum()

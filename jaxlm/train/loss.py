@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 
 Metrics = dict  # {"loss_sum", "correct", "count"}: float32 scalars, summed over tokens
@@ -122,7 +123,14 @@ def _fused_ce_fwd(h, emb, y, w, cap):
     """The gradient is computed with the loss, chunk by chunk: dCE/dlogits = softmax - onehot
     (times the weight, and tanh' under the cap) is projected back at once, so the logits are
     neither stored for the backward pass nor recomputed in it (a rematerialised chunk would
-    redo the [B, C, H] x [H, V] projection: 14-21% of a small-model step)."""
+    redo the [B, C, H] x [H, V] projection: 14-21% of a small-model step).
+
+    Arguments are CustomVJPPrimals (symbolic zeros): when the embedding is not differentiated
+    (a LoRA step with the tied embedding frozen) only d_hidden is computed, and the float32
+    [H, V] embedding-gradient accumulator does not exist."""
+    train_emb = emb.perturbed
+    h, emb, y, w = h.value, emb.value, y.value, w.value
+
     def body(carry, xs):
         loss, hits, d_emb = carry
         h_c, y_c, w_c = xs
@@ -135,21 +143,25 @@ def _fused_ce_fwd(h, emb, y, w, cap):
             d = d * (1.0 - th * th)
         d = d.astype(h_c.dtype)
         d_h = jnp.einsum("BCV,VH->BCH", d, emb)
-        d_emb = d_emb + jnp.einsum("BCH,BCV->HV", h_c, d, preferred_element_type=jnp.float32)
+        if train_emb:
+            d_emb = d_emb + jnp.einsum("BCH,BCV->HV", h_c, d, preferred_element_type=jnp.float32)
         return (loss + ce, hits + hit, d_emb), d_h
     zero = jnp.zeros((), jnp.float32)
-    init = (zero, zero, jnp.zeros(emb.shape[::-1], jnp.float32))
+    init = (zero, zero, jnp.zeros(emb.shape[::-1], jnp.float32) if train_emb else None)
     (loss, hits, d_emb), d_h = jax.lax.scan(body, init, (h, y, w))
-    return (loss, hits), (d_h, d_emb.T.astype(emb.dtype))
+    return (loss, hits), (d_h, None if d_emb is None else d_emb.T.astype(emb.dtype))
 
 
 def _fused_ce_bwd(cap, res, g):
     d_h, d_emb = res
     g_loss = g[0]  # `correct` (argmax hits) has no gradient
-    return (d_h * g_loss.astype(d_h.dtype), d_emb * g_loss.astype(d_emb.dtype), None, None)
+    if isinstance(g_loss, SymbolicZero):
+        return None, None, None, None
+    return (d_h * g_loss.astype(d_h.dtype),
+            None if d_emb is None else d_emb * g_loss.astype(d_emb.dtype), None, None)
 
 
-_fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
+_fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd, symbolic_zeros=True)
 
 
 def naive_cross_entropy(logits, targets, weights) -> Metrics:
