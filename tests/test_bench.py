@@ -108,6 +108,15 @@ def test_memory_bench_compiles_a_tiny_config_for_tpu():
     assert fields["fits"] == "1" and positive(fields["total_gib"]) < 1
 
 
+def test_memory_bench_compares_lora_with_full_on_one_cpu_device():
+    _, lines = run_bench("memory.py", "--platform=cpu", "--presets=gemma_tiny", "--layers=unrolled",
+                         "--sequence_length=32")
+    lora, full = (lines[f"memory_cpu_gemma_tiny_{m}_unrolled"] for m in ("lora", "full"))
+    ratio = positive(lines["memory_cpu_gemma_tiny_unrolled"]["lora_over_full"])
+    assert ratio == pytest.approx(positive(lora["temp_gib"]) / positive(full["temp_gib"]), abs=0.01)
+    assert float(lora["args_gib"]) < float(full["args_gib"])  # no optimizer state for the base
+
+
 def test_compile_time_bench_reports_a_ratio():
     _, lines = run_bench("compile_time.py", "--layers=1,2")
     positive(lines["compile_2_vs_1"]["ratio"])
