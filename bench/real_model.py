@@ -16,14 +16,18 @@ runs end to end in seconds; there the three frameworks' logits are checked again
 Training: LoRA rank 4 on the query/value kernels (alpha = rank, KerasHub's and PEFT's
 `target_modules=["q_proj", "v_proj"]`) and full fine-tuning, one CPU device, float32,
 AdamW 5e-5 (weight decay 0.01, global-norm clip 1.0), random tokens, batch B x T per
-`--seqs`/`--batches` (default 8 x 128 and 2 x 512: 1024 tokens a step each). The frameworks
-take turns (bench/train_step.py's `interleaved`): after `--warmup` steps each, `--steps` steps
-of each in turn, `--rounds` times, each turn's first step dropped; the median step is reported.
-Model FLOP/s (bench/common.py's count) over the float32 matmul peak measured in the run.
+`--seqs`/`--batches` (default 8 x 128 and 2 x 512: 1024 tokens a step each). LoRA: the three
+take turns in this process (bench/train_step.py's `interleaved`): after `--warmup` steps each,
+`--steps` steps of each in turn, `--rounds` times, each turn's first step dropped. Full
+fine-tuning (`--isolate`): three full fine-tunes of a 262k vocabulary do not fit a 24 GB
+machine together (the first try was killed at 20 GB), so each turn is one framework alone in
+its own process (at least 2 warm-up steps dropped), in the order jaxlm, hf, keras, then reversed. The
+median step is reported; model FLOP/s (bench/common.py's count) over the float32 matmul peak
+measured in the run.
 
 Memory (`--memory=on`): each framework's peak resident set size, measured in a separate
 process that loads the model and runs `--warmup + --steps` steps of the mode at the first
-sequence length (VmHWM; the interpreter and this script's imports, jax included, count too,
+sequence length (for isolated modes, the first turn's process) (VmHWM; the interpreter and this script's imports, jax included, count too,
 so the line also gives the peak above the RSS right after the imports).
 
 Decoding: greedy, no stop tokens, prompts of 32 random tokens plus `--new_tokens` new ones, at
@@ -236,8 +240,8 @@ def _status_kib(field: str) -> int:
 
 
 def child(args) -> int:
-    """`--_child=FRAMEWORK,MODE`: load, train --warmup + --steps steps, print the resident
-    memory after the imports and at its peak."""
+    """`--_child=FRAMEWORK,MODE`: load, train --warmup + --steps steps; print the step times,
+    and the resident memory after the imports and at its peak."""
     framework, mode = args._child.split(",")
     print(f"BASE_RSS_KB {_status_kib('VmRSS')}")
     src = json.loads(args._src)
@@ -248,24 +252,30 @@ def child(args) -> int:
              model.config.vocab_size if framework == "hf" else model.backbone.vocabulary_size)
     run = runner(framework, model, random_batch(vocab, batch_size, seq), batch_size,
                  args.rank if mode == "lora" else 0, args.layers)
-    run(args.warmup + args.steps)
+    run(max(2, args.warmup))  # a jitted step's second call can still compile (committed inputs)
+    times = run(args.steps)
+    print(f"STEP_TIMES {json.dumps(times)}")
     print(f"PEAK_RSS_KB {_status_kib('VmHWM')}")
     return 0
 
 
-def peak_rss_gib(framework: str, mode: str, src: dict, args) -> tuple[float, float]:
-    """-> (peak RSS, peak RSS less the RSS after the script's imports), GiB, of one child."""
+def in_own_process(framework: str, mode: str, seq: int, batch_size: int, src: dict, args) -> dict:
+    """One framework alone in a child process: {"times": [s], "peak": GiB, "delta": GiB above
+    the RSS after the script's imports} (NaNs if it failed)."""
     argv = [sys.executable, os.path.abspath(__file__), f"--_child={framework},{mode}",
-            f"--_src={json.dumps(src)}", f"--seqs={args.seqs[0]}", f"--batches={args.batches[0]}",
+            f"--_src={json.dumps(src)}", f"--seqs={seq}", f"--batches={batch_size}",
             f"--steps={args.steps}", f"--warmup={args.warmup}", f"--rank={args.rank}",
-            f"--layers={args.layers}"]
+            f"--layers={args.layers}"] + ([f"--torch_threads={args.torch_threads}"] if args.torch_threads else [])
     r = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
-    kib = {x.split()[0]: int(x.split()[1]) for x in r.stdout.splitlines() if x.endswith(tuple("0123456789"))
-           and x.split()[0] in ("BASE_RSS_KB", "PEAK_RSS_KB")}
-    if r.returncode or len(kib) != 2:
-        print(f"  memory of {framework} {mode} failed: {(r.stderr or r.stdout)[-500:]}")
-        return float("nan"), float("nan")
-    return kib["PEAK_RSS_KB"] / 2 ** 20, (kib["PEAK_RSS_KB"] - kib["BASE_RSS_KB"]) / 2 ** 20
+    fields = dict(x.split(" ", 1) for x in r.stdout.splitlines()
+                  if x.split(" ")[0] in ("BASE_RSS_KB", "PEAK_RSS_KB", "STEP_TIMES"))
+    if r.returncode or len(fields) != 3:
+        print(f"  {framework} {mode} in its own process failed (exit {r.returncode}): "
+              f"{(r.stderr or r.stdout)[-400:]}")
+        return {"times": [], "peak": float("nan"), "delta": float("nan")}
+    base, peak = int(fields["BASE_RSS_KB"]), int(fields["PEAK_RSS_KB"])
+    return {"times": json.loads(fields["STEP_TIMES"]), "peak": peak / 2 ** 20,
+            "delta": (peak - base) / 2 ** 20}
 
 
 # --- Main ---------------------------------------------------------------------------------------
@@ -293,6 +303,9 @@ def main(argv=None) -> int:
     p.add_argument("--new_tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--memory", default="on", choices=["on", "off"])
+    p.add_argument("--isolate", default="full",
+                   help="modes whose frameworks each train in their own process, in turns "
+                        "(all three full fine-tunes of a 262k vocabulary do not fit 24 GB together)")
     p.add_argument("--torch_threads", type=int, default=None, help="default: torch's (all cores)")
     p.add_argument("--tiny", action="store_true", help="a tiny random Gemma 3 instead of the real one")
     p.add_argument("--quick", action="store_true", help="1 step, 1 round, one length, 8 new tokens")
@@ -312,7 +325,9 @@ def main(argv=None) -> int:
     if args._child:
         return child(args)
     frameworks = args.frameworks.split(",")
-    modes = sorted(args.modes.split(","), key=["full", "lora"].index)  # full first: LoRA is one-way
+    isolated = set(args.isolate.split(",")) - {""}
+    # In-process modes first (LoRA's wrappers are one-way), then those run one framework per process.
+    modes = sorted(args.modes.split(","), key=lambda m: (m in isolated, ["full", "lora"].index(m)))
 
     with tempfile.TemporaryDirectory() as workdir:
         src = prepare(args.tiny, workdir)
@@ -326,28 +341,36 @@ def main(argv=None) -> int:
             check_same_logits(models, cfg.vocab_size)
 
         lines = list(decode_bench(models, cfg.vocab_size, args).values())  # before training
-        for mode in modes:
+        memory = {}
+        for mode in modes:  # LoRA first, in this process: the frameworks take turns
             rank = args.rank if mode == "lora" else 0
             for seq, batch_size in zip(args.seqs, args.batches):
-                batch = random_batch(cfg.vocab_size, batch_size, seq)
-                runners = {f: runner(f, models[f], batch, batch_size, rank, args.layers) for f in frameworks}
-                times = interleaved(runners, args.warmup, args.steps, args.rounds)
-                tokens = batch_size * seq
-                tok_s = {f: tokens / statistics.median(sum(times[f], [])) for f in frameworks}
-                flops = model_flops_per_token(cfg, seq, rank) * tokens
-                mfu = ratio(tok_s.get("jaxlm"), tokens) * flops / peak if "jaxlm" in tok_s else float("nan")
-                print(f"{mode:>4} {batch_size} x {seq}: " + ", ".join(
-                    f"{f} {tok_s[f]:.1f} tok/s (rounds: "
-                    + " ".join(f"{statistics.median(r) * 1e3:.0f}" for r in times[f]) + " ms)"
-                    for f in frameworks) + f"; jaxlm at {mfu:.0%} of the matmul peak")
-                lines.append(f"BENCH real_train_{mode}_t{seq} " + " ".join(
-                    f"{f}={fmt(tok_s.get(f))}" for f in FRAMEWORKS)
-                    + f" vs_hf={ratio(tok_s.get('jaxlm'), tok_s.get('hf')):.2f}"
-                    f" vs_keras={ratio(tok_s.get('jaxlm'), tok_s.get('keras')):.2f} mfu={mfu:.3f} unit=tokens/s")
-        del models
+                if mode in isolated:
+                    if models:
+                        models.clear()  # one framework at a time from here on
+                    times = {f: [] for f in frameworks}
+                    for r in range(args.rounds):  # ABC, CBA, ...: drift falls on all alike
+                        for f in (frameworks if r % 2 == 0 else frameworks[::-1]):
+                            got = in_own_process(f, mode, seq, batch_size, src, args)
+                            times[f].append(got["times"])
+                            if seq == args.seqs[0]:
+                                memory.setdefault(mode, {})[f] = (got["peak"], got["delta"])
+                else:
+                    batch = random_batch(cfg.vocab_size, batch_size, seq)
+                    runners = {f: runner(f, models[f], batch, batch_size, rank, args.layers)
+                               for f in frameworks}
+                    times = interleaved(runners, args.warmup, args.steps, args.rounds)
+                    del runners
+                lines.append(train_line(mode, seq, batch_size, rank, times, cfg, peak, mode in isolated))
+        models.clear()
         if args.memory == "on":
             for mode in modes:
-                gib = {f: peak_rss_gib(f, mode, src, args) for f in frameworks}
+                if mode not in memory:
+                    memory[mode] = {}
+                    for f in frameworks:
+                        got = in_own_process(f, mode, args.seqs[0], args.batches[0], src, args)
+                        memory[mode][f] = (got["peak"], got["delta"])
+                gib = memory[mode]
                 print(f"peak RSS, {mode}, {args.batches[0]} x {args.seqs[0]}, one process each: "
                       + ", ".join(f"{f} {g[0]:.2f} GiB ({g[1]:.2f} above the imports)"
                                   for f, g in gib.items()))
@@ -361,6 +384,23 @@ def main(argv=None) -> int:
     print("\n".join(lines))
     print(f"BENCH real_peak gflops={peak / 1e9:.1f}")
     return 0
+
+
+def train_line(mode: str, seq: int, batch_size: int, rank: int, times: dict, cfg, peak: float,
+               isolated: bool) -> str:
+    """Print one training comparison; -> its BENCH line. times: {framework: [[step s] per turn]}."""
+    tokens = batch_size * seq
+    tok_s = {f: tokens / statistics.median(sum(ts, [])) for f, ts in times.items() if sum(ts, [])}
+    flops = model_flops_per_token(cfg, seq, rank) * tokens
+    mfu = flops * tok_s["jaxlm"] / tokens / peak if "jaxlm" in tok_s else float("nan")
+    print(f"{mode:>4} {batch_size} x {seq}" + (" (one process per turn)" if isolated else "") + ": "
+          + ", ".join(f"{f} {tok_s[f]:.1f} tok/s (turns: "
+                      + " ".join(f"{statistics.median(t) * 1e3:.0f}" for t in ts if t) + " ms)"
+                      for f, ts in times.items() if f in tok_s)
+          + f"; jaxlm at {mfu:.0%} of the matmul peak")
+    return (f"BENCH real_train_{mode}_t{seq} " + " ".join(f"{f}={fmt(tok_s.get(f))}" for f in FRAMEWORKS)
+            + f" vs_hf={ratio(tok_s.get('jaxlm'), tok_s.get('hf')):.2f}"
+            f" vs_keras={ratio(tok_s.get('jaxlm'), tok_s.get('keras')):.2f} mfu={mfu:.3f} unit=tokens/s")
 
 
 def decode_bench(models: dict, vocab: int, args) -> dict:
