@@ -63,8 +63,9 @@ def _cpu_gated_ffn(x, w_gate, w_up, w_down):
     With autodiff XLA:CPU was free to transpose the [N, F] activation gradients for the
     weight-gradient dots, and it fused those transposes into the elementwise GELU backward,
     which then wrote [F, N] with strided stores: about a fifth of a full fine-tune step on the
-    bench config (`python bench/train_step.py`: full fine-tune 465.6 -> 567-582 tokens/s, LoRA
-    789 -> 823-849, on 2026-11-30, bench/README.md). Here every weight gradient is an
+    bench config. Justified by `python bench/train_step.py`'s `BENCH train_full` and `BENCH
+    train_lora` lines (jaxlm tokens/s: full 465.6 -> 567-582, LoRA 789 -> 823-849 when it
+    came in on 2026-11-30; bench/README.md, "CPU, 2 cores"). Here every weight gradient is an
     [H, N] @ [N, F] product, so only [N, H]-sized arrays are ever transposed. When none of the
     three kernels is differentiated (a LoRA step that leaves the FFN frozen) the backward
     computes the input gradient only, as autodiff would.
@@ -118,8 +119,9 @@ def decode_steps(platform: str):
       * the tied embedding's logits are rows @ x^T as well (the table is already [V, H]),
         ~1.5x faster than [B, H] @ [H, V] at batch 4.
     Together with a vectorised argmax and one dot for the attention output these took the
-    bench config's decode step from 12.9 to ~8.4 ms (`python bench/generate.py`, 2026-11-30,
-    bench/README.md). Elsewhere the layers run as written.
+    bench config's decode step from 12.9 to ~8.4 ms: `python bench/generate.py`'s `BENCH
+    decode_step_vs_weight_read` line (`jaxlm=` ms per step) and `BENCH generate_b4` (new
+    tokens/s), 2026-11-30, bench/README.md. Elsewhere the layers run as written.
     """
     if platform != "cpu":
         return contextlib.nullcontext()
