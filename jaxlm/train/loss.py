@@ -35,16 +35,36 @@ def shift(token_ids, padding_mask):
 # Logits per [B, C, V] block, by platform. Each chunk re-reads the [V, H] table and adds its
 # gradient into the float32 [H, V] accumulator, so the chunk count is paid in memory traffic.
 # CPU: 32 MiB blocks (at 2**22, 16 positions of 8 x 32000, the bench-config loss took 7% longer
-# and the full fine-tune step 5.6%). Accelerators: 512 MiB blocks, which HBM holds easily; with
-# the CPU budget Gemma 2B at 2 x 2048 tokens ran 128 chunks, ~0.8 TB of traffic per step.
+# and the full fine-tune step 5.6%), and see `cpu_budget` for large vocabularies. Accelerators:
+# 512 MiB blocks, which HBM holds easily; with the CPU budget Gemma 2B at 2 x 2048 tokens ran
+# 128 chunks, ~0.8 TB of traffic per step.
 CHUNK_LOGITS = {"cpu": 2 ** 23, "gpu": 2 ** 27, "tpu": 2 ** 27}
 
 
-def chunk_length(batch: int, length: int, vocab: int, budget: int | None = None) -> int:
+def cpu_budget(vocab: int, hidden: int, devices: int = 1) -> int:
+    """The CPU block: CHUNK_LOGITS["cpu"], or hidden/2 tokens of logits if that is more, split
+    between the `devices` sharing the host's memory (each holds its own block).
+
+    Each chunk reads the [V, H] table twice (its logits and d_hidden), so a chunk of fewer than
+    ~H/2 tokens moves more table than logits. Gemma 3 270M (V 262144, H 640), value and
+    d_hidden of the loss alone, one device, interleaved: 8 x 128 tokens 5.40 s at 32 tokens a
+    chunk vs 3.75 s at 256 (-31%; the two products at ~90% of the matmul peak), 8 x 40 tokens
+    1.70 vs 1.33 s (bench/README.md). The bench config (V 32000, H 512) keeps 32 MiB blocks.
+    """
+    return max(CHUNK_LOGITS["cpu"], (hidden // 2) * vocab // max(1, devices))
+
+
+def chunk_length(batch: int, length: int, vocab: int, budget: int | None = None,
+                 hidden: int | None = None) -> int:
     """Positions per chunk so that batch * C * vocab <= budget (default: this platform's
-    CHUNK_LOGITS), at least 1 and at most `length`; the chunks split `length` as evenly as
-    that allows (2048 in 8 chunks of 256, not 7 of 262 and one padded)."""
-    budget = budget or CHUNK_LOGITS.get(jax.default_backend(), CHUNK_LOGITS["gpu"])
+    CHUNK_LOGITS, on CPU `cpu_budget` when `hidden` is given), at least 1 and at most `length`;
+    the chunks split `length` as evenly as that allows (2048 in 8 chunks of 256, not 7 of 262
+    and one padded)."""
+    if budget is None:
+        platform = jax.default_backend()
+        budget = CHUNK_LOGITS.get(platform, CHUNK_LOGITS["gpu"])
+        if platform == "cpu" and hidden is not None:
+            budget = cpu_budget(vocab, hidden, jax.local_device_count())
     most = max(1, min(length, budget // max(1, batch * vocab)))
     return -(-length // -(-length // most))
 
@@ -57,11 +77,12 @@ def chunked_cross_entropy(hidden, embeddings, targets, weights, *, chunk_size: i
     hidden [B, T, H] (compute dtype), embeddings [V, H], targets int [B, T], weights [B, T].
     The projection runs in the compute dtype (as KerasHub's `ReversibleEmbedding`); logsumexp and
     the target logit are taken in float32, per chunk of `chunk_size` positions (default: as many
-    as keep a chunk's logits within `chunk_logits`, by default this platform's CHUNK_LOGITS).
+    as keep a chunk's logits within `chunk_logits`, by default this platform's CHUNK_LOGITS, on
+    CPU `cpu_budget`).
     logit_soft_cap: Gemma 2's final cap, tanh(logits / cap) * cap, applied per chunk.
     """
     b, t, h = hidden.shape
-    c = max(1, min(chunk_size or chunk_length(b, t, embeddings.shape[0], chunk_logits), t))
+    c = max(1, min(chunk_size or chunk_length(b, t, embeddings.shape[0], chunk_logits, h), t))
     pad = (-t) % c
     weights = weights.astype(jnp.float32)
     if pad:  # padded positions carry weight 0
