@@ -11,7 +11,7 @@ How the platform is chosen:
     so a step compiled on a CPU host for a TPU slice (`jaxlm.train.aot`) gets the plain math.
   * Decoding (`decode_steps`) needs some kernels in another layout, built once before the
     decode loop: state the decoder owns. `jaxlm.decode` knows the devices it compiles for and
-    traces its model calls inside `decode_steps(platform, ...)`, which on CPU swaps the decode
+    traces its model calls inside `decode_steps(platform)`, which on CPU swaps the decode
     step's products for the kernels below (a Flax method interceptor: the layers keep their
     plain `__call__`) and elsewhere changes nothing.
 """
