@@ -6,8 +6,8 @@ import jax.numpy as jnp
 
 import jaxlm
 from jaxlm import loading
-from models.gemma import PRESETS, Gemma
-from test_gguf import small_gemma3  # noqa: F401  (fixture)
+from models.gemma import PRESETS, Gemma, GemmaConfig
+from test_gguf import SMALL, write_gguf
 
 
 def test_random_init_needs_few_temporaries():
@@ -23,8 +23,14 @@ def test_random_init_needs_few_temporaries():
     assert float(jnp.std(params["token_embedding"]["embeddings"].astype(jnp.float32))) > 0
 
 
-def test_gguf_tensors_are_read_one_at_a_time(small_gemma3, monkeypatch):  # noqa: F811
-    path, _, params = small_gemma3
+def test_gguf_tensors_are_read_one_at_a_time(spm_tokenizer, tmp_path, monkeypatch):
+    s = {**SMALL, "layers": 1}
+    cfg = GemmaConfig(vocab_size=s["vocab"], num_layers=1, num_heads=s["heads"], num_kv_heads=s["kv"],
+                      hidden_dim=s["hidden"], ffw_dim=s["ffw"], head_dim=s["head_dim"],
+                      use_post_attention_norm=True, use_post_ffw_norm=True, use_query_key_norm=True)
+    params = Gemma(cfg).init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"]
+    path = tmp_path / "one_layer.gguf"
+    write_gguf(path, params, tokenizer=spm_tokenizer, s=s)
     from jaxlm.convert import gguf
     log = []
     read, put = gguf._dequantise, jax.device_put
