@@ -173,16 +173,16 @@ def init_params(model, shapes: dict, placement: Placement | None, seed: int = 0)
     temporaries (0.16 GB with rbg) and was killed on a 24 GB machine. The same seed gives the
     same parameters on any mesh.
     """
-    return initializer(model, shapes, placement)(jnp.int32(seed))["params"]
+    return initializer(model, shapes, placement, seed)()["params"]
 
 
-def initializer(model, shapes: dict, placement: Placement | None = None):
-    """The jitted random init `init_params` runs: seed -> {"params": tree}."""
+def initializer(model, shapes: dict, placement: Placement | None = None, seed: int = 0):
+    """The jitted random init `init_params` runs: () -> {"params": tree}."""
     ids = jnp.zeros((1, 1), jnp.int32)
     out = None
     if placement is not None:
         out = {"params": unflatten({p: placement(p, s.shape) for p, s in shapes.items()})}
-    return jax.jit(lambda seed: model.init(jax.random.key(seed, impl="rbg"), ids), out_shardings=out)
+    return jax.jit(lambda: model.init(jax.random.key(seed, impl="rbg"), ids), out_shardings=out)
 
 
 def save(out_dir: str, model, params: dict, tokenizer=None) -> None:
