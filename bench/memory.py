@@ -1,25 +1,40 @@
-"""Per-core memory of the sharded train step, as the TPU compiler itself computes it.
+"""Memory of the compiled train step, as the compiler itself computes it (nothing is allocated).
 
-    python bench/memory.py [--topology=v3:2x2] [--presets=gemma_2b_en,gemma_7b_en]
-                           [--lora_rank=4] [--sequence_length=512] [--batch_size=8]
-                           [--mesh=1x8] [--remat=both|on|off] [--layout=seed]
+    python bench/memory.py                     # TPU v3-8: Gemma 2B and 7B LoRA, remat off/on
+    python bench/memory.py --platform=cpu      # one CPU device: Gemma 2B LoRA vs full fine-tune
+    options: [--topology=v3:2x2] [--presets=gemma_2b_en,gemma_7b_en] [--modes=lora|full|lora,full]
+             [--layers=scan|unrolled|scan,unrolled] [--remat=both|on|off] [--lora_rank=4]
+             [--sequence_length=N] [--batch_size=N] [--mesh=1x8] [--dtype=D] [--layout=seed]
 
-No TPU and no weights are needed: `libtpu` compiles the step `train.py` runs (the same
-`make_train_step`, layout rules, LoRA merge and optimizer) for the named slice on abstract
-(`ShapeDtypeStruct`) inputs; see `jaxlm.train.aot`. For each preset and remat setting it prints
-weights, adapters, optimizer state, temporaries and the total per core against the core's HBM,
-and the collectives of the partitioned program. A step over budget is refused by the compiler;
-the table then shows the temporaries it asked for. Without libtpu it compiles for 8 simulated
-CPU devices instead and says so (CPU memory numbers say nothing about a TPU).
+TPU (`--platform=tpu`, the default): `libtpu` compiles the step `train.py` runs (the same trainer
+builder, layout rules, LoRA merge and optimizer; see `jaxlm.train.aot`) for the named slice on
+abstract (`ShapeDtypeStruct`) inputs. For each preset, mode, layer form and remat setting it
+prints weights, adapters, optimizer state, temporaries and the total per core against the
+core's HBM, and the collectives of the partitioned program. A step over budget is refused by
+the compiler; the table then shows the temporaries it asked for. Without libtpu it compiles for
+8 simulated CPU devices instead and says so (those numbers say nothing about a TPU).
+Defaults: batch 8 x 512 tokens, mesh 1x8, LoRA only, remat off and on.
 
-Ends with one line per row:
-    BENCH memory_<preset>_<lora|full>[_remat] total_gib=<x> hbm_gib=<x> fits=<0|1> topology=<t>
+CPU (`--platform=cpu`): the same step for ONE CPU device with the CPU loss chunking, read back
+from XLA:CPU's `memory_analysis()`: what a laptop run of that step allocates beyond its
+arguments. Defaults: Gemma 2B, LoRA and full fine-tuning, the layer scan and unrolled layers,
+batch 2 x 128 tokens, remat off.
+
+Precision is the platform's policy (`jaxlm.precision`: on a TPU float32 master weights and
+moments over bfloat16 compute, the frozen LoRA base in bfloat16; on CPU float32 throughout);
+`--dtype=D` is train.py's one-dtype shorthand (parameters, compute and frozen base in D).
+
+Ends with one line per row, and on CPU one ratio per preset and layer form:
+    BENCH memory_<preset>_<lora|full>[_unrolled][_remat] total_gib=<x> hbm_gib=<x> fits=<0|1> topology=<t> ...
+    BENCH memory_cpu_<preset>_<lora|full>_<scan|unrolled> temp_gib=<x> args_gib=<x> total_gib=<x> dtype=<d>
+    BENCH memory_cpu_<preset>_<scan|unrolled> lora_over_full=<temp ratio>
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -29,57 +44,132 @@ try:
     LIBTPU = True
 except ImportError:
     LIBTPU = False
-    # The CPU fallback needs as many host devices as the mesh; set before jax starts.
+    # The TPU fallback needs as many host devices as the mesh; set before jax starts.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
+import jax  # noqa: E402
+
 import jaxlm  # noqa: E402
-from jaxlm.train import aot  # noqa: E402
+import sharding  # noqa: E402
+from jaxlm import precision  # noqa: E402
+from jaxlm.train import aot, trainer  # noqa: E402
+from jaxlm.train.loss import CHUNK_LOGITS  # noqa: E402
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--topology", default="v3:2x2", help=f"one of {', '.join(aot.TOPOLOGIES)}")
-    p.add_argument("--presets", default="gemma_2b_en,gemma_7b_en")
-    p.add_argument("--lora_rank", type=int, default=4, help="0 = full fine-tuning")
-    p.add_argument("--sequence_length", type=int, default=512)
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--mesh", default="1x8")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--layout", default=None, help="seed (default) | keras")
-    p.add_argument("--remat", default="both", choices=["both", "on", "off"])
-    args = p.parse_args(argv)
+def load(preset: str, policy: precision.Policy, lora: bool, scan: bool, remat: bool = False):
+    """The abstract model and parameters a run of this policy steps (the base stored frozen
+    under LoRA), with the layer form and remat set on the config."""
+    stored = policy.frozen if lora else policy.param
+    model, params = jaxlm.load(preset, policy.compute, abstract=True, param_dtype=stored)
+    return type(model)(model.config.replace(scan_layers=scan, remat=remat)), params
 
+
+def cpu_step_memory(preset: str, policy: precision.Policy, *, lora_rank: int, scan: bool,
+                    batch_size: int, sequence_length: int) -> dict:
+    """Bytes of the compiled step on one CPU device: {"temp", "args", "total", "compile_s"}."""
+    model, params = load(preset, policy, bool(lora_rank), scan)
+    mesh = sharding.make_mesh("1x1", jax.devices("cpu")[:1])
+    built = aot.abstract_trainer(model, params, mesh, lora_rank=lora_rank,
+                                 trainable_dtype=policy.param, chunk_logits=CHUNK_LOGITS["cpu"])
+    batch = trainer.abstract_batch(batch_size, sequence_length, built.batch_sharding)
+    t0 = time.perf_counter()
+    mem = built.step.lower(built.state, built.frozen, batch).compile().memory_analysis()
+    args = mem.argument_size_in_bytes
+    total = args + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+    return {"temp": mem.temp_size_in_bytes, "args": args, "total": total,
+            "compile_s": time.perf_counter() - t0}
+
+
+def run_cpu(args, modes, layer_forms) -> list[str]:
+    policy = precision.resolve(dtype=args.dtype, platform="cpu")
+    lines = []
+    for preset in args.presets.split(","):
+        for scan in layer_forms:
+            temps = {}
+            for mode in modes:
+                rank = args.lora_rank if mode == "lora" else 0
+                m = cpu_step_memory(preset, policy, lora_rank=rank, scan=scan,
+                                    batch_size=args.batch_size, sequence_length=args.sequence_length)
+                temps[mode] = m["temp"]
+                form = "scan" if scan else "unrolled"
+                print(f"{preset} {mode:<4} ({policy.describe(mode == 'lora')}), {form} layers, "
+                      f"batch {args.batch_size} x {args.sequence_length}, one CPU device: "
+                      f"temporaries {m['temp'] / aot.GiB:.2f} GiB, arguments {m['args'] / aot.GiB:.2f} "
+                      f"GiB, total {m['total'] / aot.GiB:.2f} GiB (compiled in {m['compile_s']:.0f} s)")
+                lines.append(f"BENCH memory_cpu_{preset}_{mode}_{form} temp_gib={m['temp'] / aot.GiB:.6g} "
+                             f"args_gib={m['args'] / aot.GiB:.3f} total_gib={m['total'] / aot.GiB:.3f} "
+                             f"dtype={policy.compute} batch={args.batch_size}x{args.sequence_length}")
+            if len(temps) == 2:
+                ratio = temps["lora"] / max(temps["full"], 1)
+                print(f"  -> LoRA temporaries are {ratio:.1%} of the full fine-tune's")
+                lines.append(f"BENCH memory_cpu_{preset}_{'scan' if scan else 'unrolled'} "
+                             f"lora_over_full={ratio:.3f}")
+    return lines
+
+
+def run_tpu(args, modes, layer_forms) -> list[str]:
     topology = args.topology
     if not LIBTPU:
         print(f"NOTE: libtpu is not installed (pip install libtpu): compiling for 8 simulated "
               f"CPU devices with the CPU compiler instead of {topology}; these numbers are NOT "
               "TPU memory")
         topology = "cpu"
+    policy = precision.resolve(dtype=args.dtype, platform="cpu" if topology == "cpu" else "tpu")
     remats = {"both": (False, True), "on": (True,), "off": (False,)}[args.remat]
     lines = []
     for preset in args.presets.split(","):
-        model, params = jaxlm.load(preset, args.dtype, abstract=True)
-        for remat in remats:
-            m = type(model)(model.config.replace(remat=True)) if remat else model
-            print(f"\n== {preset} {args.dtype}, "
-                  f"{'LoRA rank ' + str(args.lora_rank) if args.lora_rank else 'full fine-tuning'}, "
-                  f"batch {args.batch_size} x {args.sequence_length} tokens, mesh {args.mesh}, "
-                  f"layout {args.layout or 'seed'}, remat {'on' if remat else 'off'}")
-            report, _ = aot.compile_train_step(
-                m, params, topology=topology, mesh_spec=args.mesh, lora_rank=args.lora_rank,
-                layout=args.layout, batch_size=args.batch_size,
-                sequence_length=args.sequence_length)
-            print(report.table())
-            name = (f"memory_{preset}_{'lora' if args.lora_rank else 'full'}"
-                    + ("_remat" if remat else ""))
-            hbm = f"{report.hbm / aot.GiB:.2f}" if report.hbm else "nan"
-            lines.append(f"BENCH {name} total_gib={report.total / aot.GiB:.3f} hbm_gib={hbm} "
-                         f"fits={int(report.fits)} topology={topology} "
-                         f"temp_gib={report.temporaries / aot.GiB:.3f} "
-                         f"all_reduce={report.collectives.get('all-reduce', 0)} "
-                         f"all_gather={report.collectives.get('all-gather', 0)} "
-                         f"compile_s={report.compile_s:.0f}")
+        for mode in modes:
+            rank = args.lora_rank if mode == "lora" else 0
+            for scan in layer_forms:
+                for remat in remats:
+                    model, params = load(preset, policy, bool(rank), scan, remat)
+                    print(f"\n== {preset} ({policy.describe(bool(rank))}), "
+                          f"{'LoRA rank ' + str(rank) if rank else 'full fine-tuning'}, "
+                          f"batch {args.batch_size} x {args.sequence_length} tokens, mesh {args.mesh}, "
+                          f"layout {args.layout or 'seed'}, {'scan' if scan else 'unrolled'} layers, "
+                          f"remat {'on' if remat else 'off'}")
+                    report, _ = aot.compile_train_step(
+                        model, params, topology=topology, mesh_spec=args.mesh, lora_rank=rank,
+                        layout=args.layout, batch_size=args.batch_size,
+                        sequence_length=args.sequence_length, trainable_dtype=policy.param)
+                    print(report.table())
+                    name = (f"memory_{preset}_{mode}" + ("" if scan else "_unrolled")
+                            + ("_remat" if remat else ""))
+                    hbm = f"{report.hbm / aot.GiB:.2f}" if report.hbm else "nan"
+                    lines.append(f"BENCH {name} total_gib={report.total / aot.GiB:.3f} hbm_gib={hbm} "
+                                 f"fits={int(report.fits)} topology={topology} "
+                                 f"temp_gib={report.temporaries / aot.GiB:.3f} "
+                                 f"all_reduce={report.collectives.get('all-reduce', 0)} "
+                                 f"all_gather={report.collectives.get('all-gather', 0)} "
+                                 f"compile_s={report.compile_s:.0f}")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--platform", default="tpu", choices=["tpu", "cpu"])
+    p.add_argument("--topology", default="v3:2x2", help=f"one of {', '.join(aot.TOPOLOGIES)}")
+    p.add_argument("--presets", default=None, help="default: gemma_2b_en,gemma_7b_en (tpu), gemma_2b_en (cpu)")
+    p.add_argument("--modes", default=None, help="lora,full; default: lora (tpu), lora,full (cpu)")
+    p.add_argument("--layers", default=None, help="scan,unrolled; default: scan (tpu), scan,unrolled (cpu)")
+    p.add_argument("--lora_rank", type=int, default=4)
+    p.add_argument("--sequence_length", type=int, default=None, help="default: 512 (tpu), 128 (cpu)")
+    p.add_argument("--batch_size", type=int, default=None, help="default: 8 (tpu), 2 (cpu)")
+    p.add_argument("--mesh", default="1x8", help="tpu only")
+    p.add_argument("--dtype", default=None, help="one dtype for parameters and compute (default: the policy)")
+    p.add_argument("--layout", default=None, help="seed (default) | keras")
+    p.add_argument("--remat", default=None, choices=["both", "on", "off"], help="default: both (tpu), off (cpu)")
+    args = p.parse_args(argv)
+    cpu = args.platform == "cpu"
+    args.presets = args.presets or ("gemma_2b_en" if cpu else "gemma_2b_en,gemma_7b_en")
+    args.sequence_length = args.sequence_length or (128 if cpu else 512)
+    args.batch_size = args.batch_size or (2 if cpu else 8)
+    args.remat = args.remat or ("off" if cpu else "both")
+    modes = (args.modes or ("lora,full" if cpu else "lora")).split(",")
+    forms = {"scan": True, "unrolled": False}
+    layer_forms = [forms[f] for f in (args.layers or ("scan,unrolled" if cpu else "scan")).split(",")]
+    lines = (run_cpu if cpu else run_tpu)(args, modes, layer_forms)
     print()
     print("\n".join(lines))
     return 0

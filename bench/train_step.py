@@ -65,13 +65,14 @@ def build_keras(args, preset_dir: str):
     return backbone
 
 
-def keras_runner(backbone, batch, args, lora_rank: int):
-    """-> run(n): seconds per synced `fit` step for n more steps of the same compiled model."""
+def keras_runner(backbone, batch, batch_size: int, lora_rank: int, task: str = "GemmaCausalLM"):
+    """-> run(n): seconds per synced `fit` step for n more steps of the same compiled model
+    (`keras_hub.models.<task>` on `backbone`, LoRA enabled on it first when lora_rank > 0)."""
     import keras
     import keras_hub
     if lora_rank:
         backbone.enable_lora(lora_rank)
-    lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    lm = getattr(keras_hub.models, task)(backbone=backbone, preprocessor=None)
     opt = keras.optimizers.AdamW(learning_rate=5e-5, weight_decay=0.01, global_clipnorm=1.0)
     opt.exclude_from_weight_decay(var_names=["bias", "scale"])
     lm.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -94,14 +95,13 @@ def keras_runner(backbone, batch, args, lora_rank: int):
         x = {"token_ids": np.tile(ids[:, :-1], (n, 1)), "padding_mask": np.tile(mask[:, :-1], (n, 1))}
         lm.fit(x, np.tile(ids[:, 1:], (n, 1)),
                sample_weight=np.tile(mask[:, 1:], (n, 1)).astype("float32"),
-               batch_size=args.batch, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
+               batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
         return list(times)
     return run
 
 
-def jaxlm_runner(preset_dir: str, batch, args, lora_rank: int):
+def jaxlm_runner(model, params, batch, lora_rank: int):
     """-> run(n): seconds per synced step for n more steps of the same jitted step."""
-    model, params = jaxlm.load(preset_dir, "float32")
     optimizer = optim.make_optimizer(optim.OptimConfig())
     if lora_rank:
         trainable = lora.init(params, lora_rank, key=jax.random.key(0))
@@ -164,9 +164,9 @@ def main(argv=None) -> int:
         backbone = build_keras(args, preset)
         cfg = jaxlm.load(preset, "float32", abstract=True)[0].config
         for mode, rank in (("full", 0), ("lora", args.rank)):
-            runners = {"jaxlm": jaxlm_runner(preset, batch, args, rank)}
+            runners = {"jaxlm": jaxlm_runner(*jaxlm.load(preset, "float32"), batch, rank)}
             if not args.skip_keras:  # full first: enable_lora is one-way
-                runners["keras"] = keras_runner(backbone, batch, args, rank)
+                runners["keras"] = keras_runner(backbone, batch, args.batch, rank)
             times = interleaved(runners, args.warmup, args.steps, args.rounds)
             print(f"{mode:>4} rounds (median ms/step): " + ", ".join(
                 f"{name} " + " ".join(f"{statistics.median(r) * 1e3:.0f}" for r in rounds)

@@ -7,7 +7,7 @@ This is the token-level API under `jaxlm.generate` (text in, text out):
     # mask [B, max_length] bool: True for the prompt and the completion up to and including the
     # first generated stop token (KerasHub's returned `padding_mask`).
 
-Semantics are KerasHub's `CausalLM.generate_step` (reference §3.3): the loop starts at
+Semantics are KerasHub's `CausalLM.generate_step`: the loop starts at
 index = min(row lengths) with one scalar cache index for the whole batch; each step feeds the
 token at index-1 and writes position `index`, keeping the prompt token for rows still inside
 their prompt. So each row of a ragged batch decodes exactly as it would alone (its position-p
@@ -46,13 +46,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlm import sampling
 from jaxlm.errors import UserError
+from models import kernels
 
 Stream = Callable[[int, np.ndarray], None]
 TRACES = 0  # incremented each time a decode function is traced, i.e. compiled
-# On CPU each call builds a transposed copy of the block kernels for its steps (the step layout
-# of models.layers.Einsum, ~15% faster steps); models whose block kernels exceed this keep
-# their stored layout rather than hold a second copy while generating.
-STEP_LAYOUT_MAX_BYTES = 2 << 30
 MIN_PROMPT_BUCKET = 16
 MIN_TOTAL_BUCKET = 32
 _STOP_SLOTS = 8  # stop ids are a traced [8] array (-1 = unused), so changing them never recompiles
@@ -183,7 +180,7 @@ def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming
     kv_spec = None
     platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
     block_bytes = (cfg.num_params - cfg.vocab_size * cfg.hidden_dim) * jnp.dtype(cfg.dtype).itemsize
-    step_layout = platform == "cpu" and block_bytes <= STEP_LAYOUT_MAX_BYTES
+    step_layout = kernels.step_layout_pays(platform, block_bytes)
     if mesh is not None:
         heads = "model" if cfg.num_kv_heads % mesh.shape["model"] == 0 else None
         kv_spec = NamedSharding(mesh, P("batch", None, heads, None))
@@ -199,6 +196,10 @@ def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming
         """prompt [Bb, Pb], lengths [Bb], seed [] or [Bb] -> (ids [Bb, Tb], mask [Bb, Tb])."""
         global TRACES
         TRACES += 1
+        with kernels.decode_steps(platform):  # this platform's decode kernels, traced in
+            return decode(params, prompt, lengths, max_length, seed, stops)
+
+    def decode(params, prompt, lengths, max_length, seed, stops):
         key = jax.vmap(jax.random.key)(seed) if per_row_seeds else jax.random.key(seed)
         cache = init_cache(cfg, batch, total)
         if kv_spec is not None:
@@ -207,9 +208,9 @@ def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming
         # slots past its prompt hold junk that the loop overwrites before anything reads it.
         _, cache = model.apply({"params": params}, prompt, cache=cache, cache_index=0)
         variables = {"params": params}
-        if step_layout:  # one traced step with the collection mutable builds it; XLA keeps
-            _, layout = model.apply(variables, prompt[:, :1], cache=cache,  # only the rows
-                                    cache_index=0, mutable=["step_layout"])
+        if step_layout:  # one traced step with the collection mutable builds the kernels'
+            _, layout = model.apply(variables, prompt[:, :1], cache=cache,  # rows; XLA keeps
+                                    cache_index=0, mutable=["step_layout"])  # only those
             variables = {**variables, **layout}
         ids = jnp.zeros((batch, total), jnp.int32).at[:, :prompt_len].set(prompt)
         positions = jnp.arange(total)

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from models import layers
+from models import kernels, layers
 
 Cache = dict  # {"decoder_block_{i}": {"k": [B, S, K, D], "v": [B, S, K, D]}}
 
@@ -133,16 +133,8 @@ class Attention(nn.Module):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         n, k, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim
-        # A decode step without a step layout (see layers.Einsum): heads are the batch dim of
-        # the dot, so XLA reads the [N, H, D] kernels in place instead of re-transposing them
-        # to [H, N*D] on every step of the decode loop (~6-9% of a CPU decode step).
-        step = cache is not None and x.shape[1] == 1
-        projs = [layers.Einsum((heads, h, d), dtype, name=name)
-                 for heads, name in ((n, "query"), (k, "key"), (k, "value"))]
-        if step and not layers.uses_step_layout(self):
-            q, key, value = (_per_head(proj, x) for proj in projs)
-        else:
-            q, key, value = (proj("BTH,NHD->BTND", x) for proj in projs)
+        q, key, value = (layers.Einsum((heads, h, d), dtype, name=name)("BTH,NHD->BTND", x)
+                         for heads, name in ((n, "query"), (k, "key"), (k, "value")))
 
         if cfg.use_query_key_norm:
             q = layers.RMSNorm(cfg.norm_eps, name="query_norm")(q)
@@ -171,14 +163,6 @@ class Attention(nn.Module):
         return out, cache
 
 
-def _per_head(proj, x):
-    """x [B, 1, H] -> [B, 1, heads, D] as a dot batched over heads (see Attention)."""
-    b, _, h = x.shape
-    heads = proj.shape[0]
-    xb = jnp.broadcast_to(x[:, 0][None], (heads, b, h))
-    return jnp.transpose(proj("NBH,NHD->NBD", xb), (1, 0, 2))[:, None]
-
-
 def feed_forward(cfg: GemmaConfig, x):
     """GeGLU: ffw_linear(gelu_tanh(x @ ffw_gating) * (x @ ffw_gating_2)), x [B, T, H].
 
@@ -189,11 +173,7 @@ def feed_forward(cfg: GemmaConfig, x):
     h, f = cfg.hidden_dim, cfg.ffw_dim
     gating, gating_2 = (layers.Einsum((h, f), dtype, name=n) for n in ("ffw_gating", "ffw_gating_2"))
     linear = layers.Einsum((f, h), dtype, name="ffw_linear")
-    if x.shape[1] == 1:  # decode steps (which may use the step layout)
-        return linear("BTF,FH->BTH", layers.geglu(gating("BTH,HF->BTF", x), gating_2("BTH,HF->BTF", x)))
-    b, t, _ = x.shape
-    out = layers.gated_ffn(x.reshape(b * t, h).astype(dtype), gating(None), gating_2(None), linear(None))
-    return out.reshape(b, t, h)
+    return kernels.gated_ffn(x, gating, gating_2, linear)
 
 
 class DecoderBlock(nn.Module):

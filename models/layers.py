@@ -1,11 +1,10 @@
 """Layers shared by the hand-written models: einsum projections, norms, RoPE, attention.
 
-Numerics follow KerasHub (see shared/reference/keras_gemma_roberta.md §9): norms and softmax
-in float32, everything else in the module's compute dtype.
+Numerics follow KerasHub: norms and softmax in float32, everything else in the module's
+compute dtype. Each computation is written once, as the math; where XLA:CPU runs a piece
+faster written another way, models/kernels.py holds that version and picks it.
 """
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -17,16 +16,7 @@ kernel_init = nn.initializers.xavier_uniform()
 
 
 class Einsum(nn.Module):
-    """A bias-free projection `einsum(eq, x, kernel)`, kernel of `shape`, computed in `dtype`.
-
-    Decode steps (x [B, 1, ...]) can use the kernel's *step layout* instead: the same weights as
-    an [out, in] row-major matrix, multiplied as rows @ x^T. On CPU a skinny matmul streams
-    such a matrix ~15% faster than the stored [in, out] one, and decoding a small model is
-    bound by that stream. Transposing costs a full read and write of the kernel, so the
-    decoder builds the layout once per call, before its loop: it applies one step with the
-    `step_layout` collection mutable (each Einsum stores its rows), then passes the
-    collection to every step.
-    """
+    """A bias-free projection `einsum(eq, x, kernel)`, kernel of `shape`, computed in `dtype`."""
     shape: tuple[int, ...]
     dtype: jnp.dtype = jnp.float32
 
@@ -37,41 +27,7 @@ class Einsum(nn.Module):
         kernel = self.param("kernel", kernel_init, self.shape, self.dtype)
         if eq is None:
             return kernel.astype(self.dtype)
-        if x.shape[1] == 1 and uses_step_layout(self):
-            return self._step(eq, x, kernel)
         return jnp.einsum(eq, x.astype(self.dtype), kernel.astype(self.dtype))
-
-    def _step(self, eq: str, x, kernel):
-        """x [B, 1, *in] -> [B, 1, *out] through the [out, in] rows (see the class docstring)."""
-        x_spec, k_spec = eq.split("->")[0].split(",")
-        in_axes = [i for i, c in enumerate(k_spec) if c in x_spec]
-        out_axes = [i for i, c in enumerate(k_spec) if c not in x_spec]
-        if [k_spec[i] for i in in_axes] != list(x_spec[-len(in_axes):]):
-            raise ValueError(f"step layout needs x's contracted axes last, in kernel order: {eq}")
-        out_shape = [self.shape[i] for i in out_axes]
-
-        def rows():
-            k = jnp.transpose(kernel.astype(self.dtype), out_axes + in_axes)
-            return k.reshape(math.prod(out_shape), -1)
-
-        rows = self.variable("step_layout", "kernel", rows).value
-        b = x.shape[0]
-        y = matmul_rows(rows, x.reshape(b, -1).astype(self.dtype))
-        return y.reshape(b, 1, *out_shape)
-
-
-def uses_step_layout(module: nn.Module) -> bool:
-    """Whether this apply builds (mutable) or reads the `step_layout` collection. `init` makes
-    every collection mutable, so it never builds one (init may trace a single-token input)."""
-    if module.is_initializing():
-        return False
-    return module.is_mutable_collection("step_layout") or "step_layout" in module.variables
-
-
-def matmul_rows(rows, x):
-    """rows [O, I], x [B, I] -> x @ rows^T [B, O], computed as rows @ x^T. The barrier stops
-    XLA from folding the output transpose back into the dot (which would undo the layout)."""
-    return jax.lax.optimization_barrier(rows @ x.T).T
 
 
 class RMSNorm(nn.Module):
@@ -103,26 +59,7 @@ class Embedding(nn.Module):
 
     def attend(self, x):
         """x [B, T, H] -> logits [B, T, V]."""
-        table, x = self.embeddings.astype(self.dtype), x.astype(self.dtype)
-        if x.shape[1] == 1:
-            # A decode step: the table is already [out, in] rows (see Einsum's step layout);
-            # on CPU ~1.5x faster than [B, H] @ [H, V] at batch 4.
-            return matmul_rows(table, x[:, 0])[:, None]
-        return jnp.einsum("BTH,VH->BTV", x, table)
-
-
-@jax.custom_vjp
-def gated_ffn(x, w_gate, w_up, w_down):
-    """Gemma's GeGLU FFN on flat tokens: x [N, H] -> (gelu_tanh(x @ w_gate) * (x @ w_up)) @ w_down.
-
-    w_gate, w_up [H, F], w_down [F, H]. The forward is the plain one. The backward is written
-    out because of where the transposes land: autodiff left XLA:CPU free to transpose the
-    [N, F] activation gradients for the weight-gradient dots, and it fused those transposes
-    into the elementwise GELU backward, which then wrote [F, N] with strided stores (about a
-    fifth of a full fine-tune step on the bench config). Here every weight gradient is an
-    [H, N] @ [N, F] product, so only [N, H]-sized arrays are ever transposed.
-    """
-    return _gated_ffn_fwd(x, w_gate, w_up, w_down)[0]
+        return jnp.einsum("BTH,VH->BTV", x.astype(self.dtype), self.embeddings.astype(self.dtype))
 
 
 def geglu(gate, up):
@@ -130,26 +67,10 @@ def geglu(gate, up):
     return jax.nn.gelu(gate, approximate=True) * up
 
 
-def _gated_ffn_fwd(x, w_gate, w_up, w_down):
-    gate, up = x @ w_gate, x @ w_up
-    return geglu(gate, up) @ w_down, (x, w_gate, w_up, w_down, gate, up)
-
-
-def _gated_ffn_bwd(residuals, d_out):
-    x, w_gate, w_up, w_down, gate, up = residuals
-    a, c = math.sqrt(2.0 / math.pi), 0.044715
-    t = jnp.tanh(a * (gate + c * gate ** 3))
-    gelu = 0.5 * gate * (1 + t)
-    d_gelu = 0.5 * (1 + t) + 0.5 * gate * (1 - t * t) * a * (1 + 3 * c * gate * gate)
-    d_hidden = d_out @ w_down.T
-    d_gate, d_up = d_hidden * up * d_gelu, d_hidden * gelu
-    x_t = x.T
-    d_w_down = (d_out.T @ (gelu * up)).T
-    d_x = d_gate @ w_gate.T + d_up @ w_up.T
-    return d_x, x_t @ d_gate, x_t @ d_up, d_w_down
-
-
-gated_ffn.defvjp(_gated_ffn_fwd, _gated_ffn_bwd)
+def gated_ffn(x, w_gate, w_up, w_down):
+    """Gemma's GeGLU FFN: x [N, H] -> geglu(x @ w_gate, x @ w_up) @ w_down [N, H].
+    w_gate, w_up [H, F], w_down [F, H]."""
+    return geglu(x @ w_gate, x @ w_up) @ w_down
 
 
 def rope_table(positions, dim: int, base: float, scaling_factor: float = 1.0):

@@ -108,6 +108,30 @@ def test_memory_bench_compiles_a_tiny_config_for_tpu():
     assert fields["fits"] == "1" and positive(fields["total_gib"]) < 1
 
 
+def test_memory_bench_compares_lora_with_full_on_one_cpu_device():
+    _, lines = run_bench("memory.py", "--platform=cpu", "--presets=gemma_tiny", "--layers=unrolled",
+                         "--sequence_length=32")
+    lora, full = (lines[f"memory_cpu_gemma_tiny_{m}_unrolled"] for m in ("lora", "full"))
+    ratio = positive(lines["memory_cpu_gemma_tiny_unrolled"]["lora_over_full"])
+    assert ratio == pytest.approx(positive(lora["temp_gib"]) / positive(full["temp_gib"]), abs=0.01)
+    assert float(lora["args_gib"]) < float(full["args_gib"])  # no optimizer state for the base
+
+
+def test_real_model_bench_runs_all_three_frameworks_on_a_tiny_gemma3():
+    """--tiny: a random Gemma 3 from transformers, mapped to jaxlm and exported to KerasHub;
+    the script itself checks the three give the same logits, then trains and decodes."""
+    out, lines = run_bench("real_model.py", "--tiny", "--quick", "--modes=lora", "--seqs=32",
+                           "--batches=2", "--decode_batches=2", "--memory=off", "--torch_threads=1")
+    assert "jaxlm vs hf: max |diff|" in out and "jaxlm vs keras: max |diff|" in out
+    assert_names_its_host(out)
+    for name in ("real_train_lora_t32", "real_decode_b2"):
+        fields = lines[name]
+        assert positive(fields["vs_hf"]) == pytest.approx(
+            positive(fields["jaxlm"]) / positive(fields["hf"]), rel=0.02)
+        positive(fields["keras"]), positive(fields["vs_keras"])
+    positive(lines["real_train_lora_t32"]["mfu"])
+
+
 def test_compile_time_bench_reports_a_ratio():
     _, lines = run_bench("compile_time.py", "--layers=1,2")
     positive(lines["compile_2_vs_1"]["ratio"])

@@ -30,7 +30,7 @@ def test_scan_equals_loop_and_remat(extra):
     np.testing.assert_allclose(np.asarray(scanned), np.asarray(looped), atol=1e-5)
 
     batch = {"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}
-    grad = lambda m: jax.grad(lambda p: lm_loss_fn(m)(p, batch, None)[0])(params)  # noqa: E731
+    grad = lambda m: jax.jit(jax.grad(lambda p: lm_loss_fn(m)(p, batch, None)[0]))(params)  # noqa: E731
     g0 = grad(model)
     for other in (cfg.replace(remat=True), cfg.replace(scan_layers=False),
                   cfg.replace(scan_layers=False, remat=True)):

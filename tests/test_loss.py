@@ -133,3 +133,34 @@ def test_hits_break_ties_as_argmax():
         naive = L.naive_cross_entropy(hidden @ emb.T, y, w)
         assert float(m["correct"]) == float(naive["correct"]) == 2.0  # the two 7s
         np.testing.assert_allclose(float(m["loss_sum"]), float(naive["loss_sum"]), rtol=1e-6)
+
+
+def test_a_frozen_embedding_gets_no_gradient_work():
+    """With the tied embedding frozen (a LoRA step) the loss computes d_hidden only: no float32
+    [H, V] accumulator is traced, and d_hidden equals the one computed with the embedding
+    trained (and the naive loss's)."""
+    b, t, h, v = 2, 12, 8, 300
+    keys = jax.random.split(jax.random.key(0), 3)
+    hidden = jax.random.normal(keys[0], (b, t, h))
+    emb = jax.random.normal(keys[1], (v, h)) * 0.3
+    y = jax.random.randint(keys[2], (b, t), 0, v)
+    w = jnp.ones((b, t))
+    f = lambda hh, e: L.chunked_cross_entropy(hh, e, y, w, chunk_size=4)["loss_sum"]  # noqa: E731
+    frozen = jax.make_jaxpr(jax.grad(f))(hidden, emb)
+    trained = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(hidden, emb)
+    assert f"f32[{h},{v}]" not in str(frozen) and f"f32[{h},{v}]" in str(trained)
+    naive = jax.grad(lambda hh: L.naive_cross_entropy(hh @ emb.T, y, w)["loss_sum"])(hidden)
+    np.testing.assert_allclose(jax.grad(f)(hidden, emb), naive, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jax.grad(f, argnums=(0, 1))(hidden, emb)[0], naive, rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_chunks_of_a_large_vocabulary_hold_half_the_hidden_width_in_tokens():
+    """Gemma 3 270M on one CPU device: 8 x 128 tokens in 4 chunks of 32 positions (256 tokens
+    >= H/2), not 32 chunks of 4; the bench config's 32 MiB blocks are unchanged; devices
+    sharing the host split the budget."""
+    v, h = 262_144, 640
+    assert L.chunk_length(8, 128, v, L.cpu_budget(v, h, devices=1)) == 32
+    assert L.chunk_length(8, 128, v, L.CHUNK_LOGITS["cpu"]) == 4
+    assert L.cpu_budget(32_000, 512) == L.CHUNK_LOGITS["cpu"]
+    assert L.cpu_budget(v, h, devices=8) == (h // 2) * v // 8 < L.cpu_budget(v, h)
+    assert L.cpu_budget(4096, 16, devices=8) == L.CHUNK_LOGITS["cpu"]  # never below the floor

@@ -17,6 +17,7 @@ is the HF transformers comparison on the real model (tests/test_gguf.py).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -108,42 +109,60 @@ def query_pre_attn_scalar(arch: str, key, kwargs: dict) -> float | None:
 
 def read_params(reader, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
     """{our path: float32 numpy} for every tensor of the file (dequantised)."""
-    import gguf
+    return {path: read() for path, read in tensor_readers(reader, num_heads, num_kv_heads, head_dim).items()}
+
+
+def tensor_readers(reader, num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
+    """{our path: () -> float32 numpy in our layout}: a tensor is dequantised only when its
+    reader is called, so a loader can place the file tensor by tensor instead of holding all
+    of it dequantised (float32 is ~7x a Q4_K file)."""
     out = {}
     for t in reader.tensors:
-        try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        except Exception as e:
-            raise UserError(f"cannot read tensor {t.name} ({t.tensor_type.name}): {e}; "
-                            "the file is truncated or uses an unsupported quantisation") from None
         name = t.name.removesuffix(".weight")
         if name == "token_embd":
-            out["token_embedding/embeddings"] = w
+            path, layout = "token_embedding/embeddings", None
         elif name == "output_norm":
-            out["final_normalization/scale"] = w - 1.0
+            path, layout = "final_normalization/scale", _norm
         elif name == "output":
             continue  # an untied copy of the embedding some converters add; Gemma ties them
         elif name.startswith("blk."):
             _, i, part = name.split(".", 2)
-            out.update(_block_tensor(f"decoder_block_{int(i)}", part, w, num_heads, num_kv_heads, head_dim))
+            path, layout = _block_entry(f"decoder_block_{int(i)}", part, num_heads, num_kv_heads, head_dim)
         else:
             raise UserError(f"unexpected tensor {t.name} in a Gemma GGUF file")
+        out[path] = functools.partial(_dequantise, t, layout)
     return out
 
 
-def _block_tensor(block, part, w, n, k, d):
+def _dequantise(t, layout):
+    import gguf
+    try:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+    except Exception as e:
+        raise UserError(f"cannot read tensor {t.name} ({t.tensor_type.name}): {e}; "
+                        "the file is truncated or uses an unsupported quantisation") from None
+    return w if layout is None else layout(w)
+
+
+def _norm(w):
+    return w - 1.0
+
+
+def _block_entry(block, part, n, k, d):
+    """-> (our path, w -> our layout) of tensor `blk.N.<part>`."""
     if part in _NORMS:
-        return {f"{block}/{_NORMS[part]}": w - 1.0}
-    h = w.shape[-1]
+        return f"{block}/{_NORMS[part]}", _norm
     if part in ("attn_q", "attn_k", "attn_v"):
         heads = n if part == "attn_q" else k
         name = {"attn_q": "query", "attn_k": "key", "attn_v": "value"}[part]
-        return {f"{block}/attention/{name}/kernel": w.reshape(heads, d, h).transpose(0, 2, 1)}
+        return (f"{block}/attention/{name}/kernel",
+                lambda w: w.reshape(heads, d, w.shape[-1]).transpose(0, 2, 1))
     if part == "attn_output":
-        return {f"{block}/attention/attention_output/kernel": w.T.reshape(n, d, w.shape[0])}
+        return (f"{block}/attention/attention_output/kernel",
+                lambda w: w.T.reshape(n, d, w.shape[0]))
     if part in ("ffn_gate", "ffn_up", "ffn_down"):
         name = {"ffn_gate": "ffw_gating", "ffn_up": "ffw_gating_2", "ffn_down": "ffw_linear"}[part]
-        return {f"{block}/{name}/kernel": np.ascontiguousarray(w.T)}
+        return f"{block}/{name}/kernel", lambda w: np.ascontiguousarray(w.T)
     raise UserError(f"unexpected tensor blk.?.{part} in a Gemma GGUF file")
 
 

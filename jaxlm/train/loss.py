@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 
 Metrics = dict  # {"loss_sum", "correct", "count"}: float32 scalars, summed over tokens
@@ -34,16 +35,36 @@ def shift(token_ids, padding_mask):
 # Logits per [B, C, V] block, by platform. Each chunk re-reads the [V, H] table and adds its
 # gradient into the float32 [H, V] accumulator, so the chunk count is paid in memory traffic.
 # CPU: 32 MiB blocks (at 2**22, 16 positions of 8 x 32000, the bench-config loss took 7% longer
-# and the full fine-tune step 5.6%). Accelerators: 512 MiB blocks, which HBM holds easily; with
-# the CPU budget Gemma 2B at 2 x 2048 tokens ran 128 chunks, ~0.8 TB of traffic per step.
+# and the full fine-tune step 5.6%), and see `cpu_budget` for large vocabularies. Accelerators:
+# 512 MiB blocks, which HBM holds easily; with the CPU budget Gemma 2B at 2 x 2048 tokens ran
+# 128 chunks, ~0.8 TB of traffic per step.
 CHUNK_LOGITS = {"cpu": 2 ** 23, "gpu": 2 ** 27, "tpu": 2 ** 27}
 
 
-def chunk_length(batch: int, length: int, vocab: int, budget: int | None = None) -> int:
+def cpu_budget(vocab: int, hidden: int, devices: int = 1) -> int:
+    """The CPU block: CHUNK_LOGITS["cpu"], or hidden/2 tokens of logits if that is more, split
+    between the `devices` sharing the host's memory (each holds its own block).
+
+    Each chunk reads the [V, H] table twice (its logits and d_hidden), so a chunk of fewer than
+    ~H/2 tokens moves more table than logits. Gemma 3 270M (V 262144, H 640), value and
+    d_hidden of the loss alone, one device, interleaved: 8 x 128 tokens 5.40 s at 32 tokens a
+    chunk vs 3.75 s at 256 (-31%; the two products at ~90% of the matmul peak), 8 x 40 tokens
+    1.70 vs 1.33 s (bench/README.md). The bench config (V 32000, H 512) keeps 32 MiB blocks.
+    """
+    return max(CHUNK_LOGITS["cpu"], (hidden // 2) * vocab // max(1, devices))
+
+
+def chunk_length(batch: int, length: int, vocab: int, budget: int | None = None,
+                 hidden: int | None = None) -> int:
     """Positions per chunk so that batch * C * vocab <= budget (default: this platform's
-    CHUNK_LOGITS), at least 1 and at most `length`; the chunks split `length` as evenly as
-    that allows (2048 in 8 chunks of 256, not 7 of 262 and one padded)."""
-    budget = budget or CHUNK_LOGITS.get(jax.default_backend(), CHUNK_LOGITS["gpu"])
+    CHUNK_LOGITS, on CPU `cpu_budget` when `hidden` is given), at least 1 and at most `length`;
+    the chunks split `length` as evenly as that allows (2048 in 8 chunks of 256, not 7 of 262
+    and one padded)."""
+    if budget is None:
+        platform = jax.default_backend()
+        budget = CHUNK_LOGITS.get(platform, CHUNK_LOGITS["gpu"])
+        if platform == "cpu" and hidden is not None:
+            budget = cpu_budget(vocab, hidden, jax.local_device_count())
     most = max(1, min(length, budget // max(1, batch * vocab)))
     return -(-length // -(-length // most))
 
@@ -56,11 +77,12 @@ def chunked_cross_entropy(hidden, embeddings, targets, weights, *, chunk_size: i
     hidden [B, T, H] (compute dtype), embeddings [V, H], targets int [B, T], weights [B, T].
     The projection runs in the compute dtype (as KerasHub's `ReversibleEmbedding`); logsumexp and
     the target logit are taken in float32, per chunk of `chunk_size` positions (default: as many
-    as keep a chunk's logits within `chunk_logits`, by default this platform's CHUNK_LOGITS).
+    as keep a chunk's logits within `chunk_logits`, by default this platform's CHUNK_LOGITS, on
+    CPU `cpu_budget`).
     logit_soft_cap: Gemma 2's final cap, tanh(logits / cap) * cap, applied per chunk.
     """
     b, t, h = hidden.shape
-    c = max(1, min(chunk_size or chunk_length(b, t, embeddings.shape[0], chunk_logits), t))
+    c = max(1, min(chunk_size or chunk_length(b, t, embeddings.shape[0], chunk_logits, h), t))
     pad = (-t) % c
     weights = weights.astype(jnp.float32)
     if pad:  # padded positions carry weight 0
@@ -122,7 +144,14 @@ def _fused_ce_fwd(h, emb, y, w, cap):
     """The gradient is computed with the loss, chunk by chunk: dCE/dlogits = softmax - onehot
     (times the weight, and tanh' under the cap) is projected back at once, so the logits are
     neither stored for the backward pass nor recomputed in it (a rematerialised chunk would
-    redo the [B, C, H] x [H, V] projection: 14-21% of a small-model step)."""
+    redo the [B, C, H] x [H, V] projection: 14-21% of a small-model step).
+
+    Arguments are CustomVJPPrimals (symbolic zeros): when the embedding is not differentiated
+    (a LoRA step with the tied embedding frozen) only d_hidden is computed, and the float32
+    [H, V] embedding-gradient accumulator does not exist."""
+    train_emb = emb.perturbed
+    h, emb, y, w = h.value, emb.value, y.value, w.value
+
     def body(carry, xs):
         loss, hits, d_emb = carry
         h_c, y_c, w_c = xs
@@ -135,21 +164,25 @@ def _fused_ce_fwd(h, emb, y, w, cap):
             d = d * (1.0 - th * th)
         d = d.astype(h_c.dtype)
         d_h = jnp.einsum("BCV,VH->BCH", d, emb)
-        d_emb = d_emb + jnp.einsum("BCH,BCV->HV", h_c, d, preferred_element_type=jnp.float32)
+        if train_emb:
+            d_emb = d_emb + jnp.einsum("BCH,BCV->HV", h_c, d, preferred_element_type=jnp.float32)
         return (loss + ce, hits + hit, d_emb), d_h
     zero = jnp.zeros((), jnp.float32)
-    init = (zero, zero, jnp.zeros(emb.shape[::-1], jnp.float32))
+    init = (zero, zero, jnp.zeros(emb.shape[::-1], jnp.float32) if train_emb else None)
     (loss, hits, d_emb), d_h = jax.lax.scan(body, init, (h, y, w))
-    return (loss, hits), (d_h, d_emb.T.astype(emb.dtype))
+    return (loss, hits), (d_h, None if d_emb is None else d_emb.T.astype(emb.dtype))
 
 
 def _fused_ce_bwd(cap, res, g):
     d_h, d_emb = res
     g_loss = g[0]  # `correct` (argmax hits) has no gradient
-    return (d_h * g_loss.astype(d_h.dtype), d_emb * g_loss.astype(d_emb.dtype), None, None)
+    if isinstance(g_loss, SymbolicZero):
+        return None, None, None, None
+    return (d_h * g_loss.astype(d_h.dtype),
+            None if d_emb is None else d_emb * g_loss.astype(d_emb.dtype), None, None)
 
 
-_fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
+_fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd, symbolic_zeros=True)
 
 
 def naive_cross_entropy(logits, targets, weights) -> Metrics:

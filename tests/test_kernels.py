@@ -1,0 +1,129 @@
+"""models/kernels.py: each XLA:CPU kernel equals the plain math it replaces (values and, for
+training, gradients), and each is chosen by the platform: the CPU one only in programs for
+CPU, the plain math for TPU and GPU."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import kernels, layers
+from models.gemma import PRESETS, Gemma, init_cache
+
+TINY = PRESETS["gemma_tiny"].replace(vocab_size=256, num_layers=1)
+
+
+def test_cpu_ffn_backward_equals_autodiff():
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (24, 16))
+    ws = [jax.random.normal(k, s) * 0.5 for k, s in zip(keys[1:4], [(16, 40), (16, 40), (40, 16)])]
+    d_out = jax.random.normal(keys[4], (24, 16))
+    np.testing.assert_allclose(kernels._cpu_gated_ffn(x, *ws), layers.gated_ffn(x, *ws),
+                               rtol=1e-6, atol=1e-6)
+    _, ours = jax.vjp(kernels._cpu_gated_ffn, x, *ws)
+    _, reference = jax.vjp(layers.gated_ffn, x, *ws)
+    for a, b in zip(ours(d_out), reference(d_out)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
+def test_frozen_ffn_kernels_get_no_gradient_work():
+    """Differentiated for x only (a LoRA step leaves the FFN frozen), the CPU backward runs
+    the input gradient's two products and no [H, F] weight gradient; for x and the kernels,
+    all of them, equal to autodiff's."""
+    x = jax.random.normal(jax.random.key(0), (6, 4))
+    ws = [jax.random.normal(jax.random.key(i), s) for i, s in ((1, (4, 10)), (2, (4, 10)), (3, (10, 4)))]
+    loss = lambda f: lambda x, *w: f(x, *w).sum()  # noqa: E731
+    frozen = str(jax.make_jaxpr(jax.grad(loss(kernels._cpu_gated_ffn)))(x, *ws))
+    trained = str(jax.make_jaxpr(jax.grad(loss(kernels._cpu_gated_ffn), argnums=(0, 1, 2, 3)))(x, *ws))
+    assert "f32[4,10] = dot_general" not in frozen and "f32[4,10] = dot_general" in trained
+    np.testing.assert_allclose(jax.grad(loss(kernels._cpu_gated_ffn))(x, *ws),
+                               jax.grad(loss(layers.gated_ffn))(x, *ws), rtol=1e-5, atol=1e-5)
+
+
+def _loss_grad(model, ids):
+    def loss(p):
+        return model.apply({"params": p}, ids).astype(jnp.float32).sum()
+    return jax.jit(jax.grad(loss))
+
+
+@pytest.mark.parametrize("platform, cpu_kernel", [("cpu", True), ("tpu", False), ("cuda", False)])
+def test_the_ffn_kernel_is_chosen_by_the_platform_lowered_for(platform, cpu_kernel):
+    """A model's training gradient lowered for TPU or GPU (as jaxlm.train.aot does from a CPU
+    host) holds the plain FFN only; lowered for CPU, the written-out backward."""
+    model = Gemma(TINY)
+    ids = jnp.zeros((2, 8), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), ids))["params"]
+    lowered = jax.jit(_loss_grad(model, ids)).trace(params).lower(lowering_platforms=(platform,))
+    assert ("cpu_kernel/_cpu_gated_ffn" in lowered.as_text(debug_info=True)) == cpu_kernel
+
+
+@pytest.mark.parametrize("eq, kernel, x", [
+    ("BTH,NHD->BTND", (4, 8, 3), (2, 1, 8)),      # query/key/value
+    ("BTND,NDH->BTH", (4, 3, 8), (2, 1, 4, 3)),   # attention output
+    ("BTH,HF->BTF", (8, 12), (2, 1, 8)),          # FFN
+])
+def test_step_layout_equals_the_einsum(eq, kernel, x):
+    layer = layers.Einsum(kernel)
+    params = layer.init(jax.random.key(0), eq, jnp.zeros(x, jnp.float32))
+    x = jax.random.normal(jax.random.key(1), x)
+    plain = layer.apply(params, eq, x)
+    with kernels.decode_steps("cpu"):
+        y, built = layer.apply(params, eq, x, mutable=["step_layout"])
+        rows = built["step_layout"]["kernel"]
+        assert rows.shape == (plain[0, 0].size, x[0, 0].size)  # [out, in]
+        np.testing.assert_allclose(y, plain, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(layer.apply({**params, **built}, eq, x), plain, rtol=1e-6, atol=1e-6)
+        # the layout only ever applies to single-token steps
+        longer = jnp.concatenate([x, x], axis=1)
+        np.testing.assert_allclose(layer.apply({**params, **built}, eq, longer),
+                                   layer.apply(params, eq, longer), rtol=1e-6)
+
+
+def test_per_head_projection_and_tied_logits_equal_the_einsums():
+    """Without a step layout, a one-token query/key/value projection is a dot batched over
+    heads and the tied logits are rows @ x^T behind a barrier; outside decode_steps("cpu")
+    (or for another platform) neither appears."""
+    x = jax.random.normal(jax.random.key(1), (3, 1, 8))
+    proj = layers.Einsum((4, 8, 5))
+    p = proj.init(jax.random.key(0), "BTH,NHD->BTND", x)
+    emb = layers.Embedding(11, 8)
+    e = emb.init(jax.random.key(2), jnp.zeros((1, 1), jnp.int32))
+
+    def run(*_):  # traced afresh for each platform (jax caches a trace per function)
+        return proj.apply(p, "BTH,NHD->BTND", x), emb.apply(e, x, method="attend")
+    plain = run()
+    for platform, replaced in (("cpu", True), ("tpu", False)):
+        with kernels.decode_steps(platform):
+            for a, b in zip(run(), plain):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+            jaxpr = str(jax.make_jaxpr(lambda: run())())
+        assert ("[4,3,8]" in jaxpr and "optimization_barrier" in jaxpr) == replaced, jaxpr
+
+
+def test_a_gemma_decode_step_equals_the_plain_step_with_or_without_the_layout():
+    cfg = TINY.replace(num_layers=2)
+    model = Gemma(cfg)
+    prompt = jax.random.randint(jax.random.key(1), (2, 5), 0, cfg.vocab_size)
+    params = model.init(jax.random.key(0), prompt)["params"]
+    cache = model.apply({"params": params}, prompt, cache=init_cache(cfg, 2, 8), cache_index=0)[1]
+    step = lambda v, **kw: model.apply(v, prompt[:, -1:], cache=cache, cache_index=5, **kw)  # noqa: E731
+    plain, _ = step({"params": params})
+    with kernels.decode_steps("cpu"):
+        per_head, _ = step({"params": params})
+        (_, _), layout = step({"params": params}, mutable=["step_layout"])
+        assert len(jax.tree.leaves(layout)) == 2 * 7  # q, k, v, out, 3 FFN kernels per block
+        with_layout, _ = step({"params": params, **layout})
+    for out in (per_head, with_layout):
+        np.testing.assert_allclose(out, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_init_on_a_single_token_builds_no_step_layout():
+    """init makes every collection mutable; jaxlm.load initialises on [1, 1] ids."""
+    with kernels.decode_steps("cpu"):
+        variables = Gemma(TINY).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    assert set(variables) == {"params"}
+
+
+def test_the_step_layout_is_built_for_small_models_on_cpu_only():
+    assert kernels.step_layout_pays("cpu", kernels.STEP_LAYOUT_MAX_BYTES)
+    assert not kernels.step_layout_pays("cpu", kernels.STEP_LAYOUT_MAX_BYTES + 1)
+    assert not kernels.step_layout_pays("tpu", 1) and not kernels.step_layout_pays("gpu", 1)
