@@ -213,3 +213,13 @@ def test_export_writes_every_adapter_format(tmp_path, capsys):
             assert (tmp_path / name / f).exists(), f
     out = capsys.readouterr().out
     assert "peft.PeftModel.from_pretrained(model, " in out and "no adapters.lora.h5" not in out
+
+
+def test_lora_trains_unrolled_layers_on_cpu_only():
+    """XLA:CPU's layer scan copies every frozen block weight each step; LoRA on CPU trains the
+    layers unrolled, elsewhere (and at full fine-tuning) the scan stays."""
+    model = Gemma(CFG)
+    assert not T.training_model(model, lora=True, platform="cpu").config.scan_layers
+    assert T.training_model(model, lora=True, platform="tpu").config.scan_layers
+    assert T.training_model(model, lora=False, platform="cpu").config.scan_layers
+    assert T.training_model(model, lora=True, platform="gpu", remat=True).config.remat

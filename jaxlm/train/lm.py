@@ -177,13 +177,12 @@ def run(a: cli.Args) -> int:
     model, params = jaxlm.load(a.preset, policy.compute, param_dtype=stored,
                                placement=sharding.placement(mesh, rules), seed=a.seed)
     base_model = model
-    if a.remat:
-        model = type(model)(model.config.replace(remat=True))
-    if a.attention != "xla":
-        try:
-            model = type(model)(model.config.replace(attention=a.attention))
-        except ValueError as e:  # float32, or Gemma 2's attention soft-cap
-            raise UserError(f"--attention: {e}") from None
+    try:
+        model = trainer_lib.training_model(model, lora=bool(a.lora_rank),
+                                           platform=jax.default_backend(), remat=a.remat,
+                                           attention=a.attention)
+    except ValueError as e:  # cudnn in float32, or Gemma 2's attention soft-cap
+        raise UserError(f"--attention: {e}") from None
     param_specs = sharding.partition_specs(params, rules, mesh)
     ocfg = optim.OptimConfig(learning_rate=a.learning_rate, weight_decay=a.weight_decay,
                              warmup_steps=a.warmup_steps, schedule=a.schedule, total_steps=steps,
