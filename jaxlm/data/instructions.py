@@ -57,13 +57,9 @@ def _rows(path: str):
     """Yield dict rows or the string reason a row is unreadable; also report the columns seen."""
     ext = os.path.splitext(path)[1].lower()
     if ext == ".csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            yield ("columns", reader.fieldnames or [])
-            for row in reader:
-                yield ("row", {k: v for k, v in row.items() if k is not None})
+        yield from _csv_rows(path)
     elif ext in (".jsonl", ".ndjson"):
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             for line in f:
                 if not line.strip():
                     continue
@@ -74,7 +70,7 @@ def _rows(path: str):
                     continue
                 yield ("row", row) if isinstance(row, dict) else ("bad", "line is not an object")
     elif ext == ".json":
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             try:
                 data = json.load(f)
             except json.JSONDecodeError as e:
@@ -89,6 +85,39 @@ def _rows(path: str):
     else:
         raise UserError(f"{path}: unsupported data format {ext or '(no extension)'!r}; "
                         "use .csv, .jsonl or .json")
+
+
+MAX_ROW_LINES = 5000  # a quoted field longer than this is taken for a quote never closed
+
+
+def _csv_rows(path: str):
+    """CSV rows as dicts, reading Excel's UTF-8 byte-order mark, refusing a runaway quote.
+
+    An unterminated quote makes the csv module read every following line, up to the next
+    quote or the end of the file, into one field: thousands of rows would vanish behind one
+    "malformed row". A row spanning several lines that does not have the header's number of
+    fields, or any row spanning more than MAX_ROW_LINES lines, is taken for that and refused
+    with the line numbers (a multi-line field that parses into a complete row is kept).
+    """
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        try:
+            header = next(reader, [])
+            yield ("columns", header)
+            end = reader.line_num
+            for fields in reader:
+                start, end = end + 1, reader.line_num
+                if end - start >= MAX_ROW_LINES or (end > start and len(fields) != len(header)):
+                    raise UserError(
+                        f"{path}: line {start} opens a quote that runs on to line {end}, which "
+                        f"would read the {end - start} line(s) after it as one field and lose "
+                        f"their rows; close the quote on line {start} (a quote inside a field "
+                        'is written "")')
+                if fields:  # a blank line is no row (as csv.DictReader)
+                    yield ("row", dict(zip(header, fields)))
+        except csv.Error as e:
+            raise UserError(f"cannot read {path} at line {reader.line_num}: {e} (an unterminated "
+                            "quote?); expected UTF-8 CSV with a header row") from None
 
 
 def read_records(path: str, instruction_column: str = "instruction",

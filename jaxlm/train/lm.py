@@ -66,6 +66,12 @@ def resolve_defaults(a: cli.Args, toy: bool, demo: bool = False) -> cli.Args:
         max_new_tokens=a.max_new_tokens or (128 if a.data else 12))
 
 
+def check_outputs(out: str) -> None:
+    """--out and its checkpoint folder must be writable folders: fail before any loading."""
+    storage.check_output_folder(out, "--out")
+    storage.check_output_folder(storage.join(out, "checkpoints"), "the checkpoint folder")
+
+
 def load_data(a: cli.Args, tokenizer):
     """-> (train Records, held-out Records or None, rows): rows are the batchable arrays
     {"token_ids", "padding_mask", "loss_mask"[, "segment_ids", "positions"]}, [N, L+1] each."""
@@ -119,6 +125,8 @@ def lora_spec_of(a: cli.Args) -> trainer_lib.LoraSpec | None:
 
 
 def run(a: cli.Args) -> int:
+    if not a.compile_only:
+        check_outputs(a.out)
     demo = False
     if a.preset is None:
         a = dataclasses.replace(a, preset=default_preset())
@@ -204,7 +212,8 @@ def run(a: cli.Args) -> int:
     storage.makedirs(a.out)
     fp = cli.fingerprint(a) | ({"steps": steps} if a.schedule == "cosine" else {})
     mngr = checkpoint.manager(storage.join(a.out, "checkpoints"), keep=a.keep)
-    restored = checkpoint.resume(mngr, state, fp, a.out)
+    restored = checkpoint.resume(mngr, state, fp, a.out,
+                                 allow_change=checkpoint.DATA_KEYS if a.allow_data_change else ())
     evaluator = Evaluator(tokenizer, a.template, held,
                           sample_instructions(a.prompt, held, train.instructions, a.num_samples),
                           eval_examples=a.eval_examples, max_new_tokens=a.max_new_tokens, mesh=mesh)
