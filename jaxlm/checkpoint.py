@@ -33,6 +33,7 @@ import hashlib
 import logging
 import os
 import re
+import sys
 import time
 
 import jax
@@ -60,6 +61,22 @@ def _quiet_orbax() -> None:
     absl = logging.getLogger("absl")
     if not any(isinstance(f, _QuietOrbax) for f in absl.filters):
         absl.addFilter(_QuietOrbax())
+    if not getattr(sys.unraisablehook, "jaxlm", False):
+        sys.unraisablehook = _drop_closed_loop_callbacks(sys.unraisablehook)
+
+
+def _drop_closed_loop_callbacks(previous):
+    """A failed save or restore abandons tensorstore operations that complete later into the
+    event loop orbax ran them on, closed by then: each prints an unraisable "Event loop is
+    closed" traceback (a page of them after one correct error line). The operation was given
+    up already, so those are dropped; everything else goes to the previous hook."""
+    def hook(unraisable):
+        e = unraisable.exc_value
+        if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
+            return
+        previous(unraisable)
+    hook.jaxlm = True
+    return hook
 
 
 def _is_step_dir(name: str) -> bool:
@@ -105,6 +122,7 @@ def use_ocdbt() -> bool:
 
 def checkpointer() -> ocp.Checkpointer:
     """A synchronous orbax checkpointer of one tree (`save_tree`, jaxlm folders)."""
+    _quiet_orbax()
     return ocp.Checkpointer(ocp.StandardCheckpointHandler(use_ocdbt=use_ocdbt()))
 
 
