@@ -95,7 +95,7 @@ def test_a_failed_save_is_one_line_and_exits_in_seconds(tmp_path):
     script.write_text(SAVE_FAILS)
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=60)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and time.monotonic() - t0 < 30, r.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith("error: cannot save"), r.stderr[-3000:]

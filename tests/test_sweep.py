@@ -10,6 +10,7 @@ before and after: a refusal may not change, add or remove anything.
 import concurrent.futures as futures
 import hashlib
 import os
+import resource
 import subprocess
 import sys
 
@@ -176,9 +177,16 @@ def resumes(w) -> tuple[list, list]:
             [("train: edited data on a saved run", run, "the data changed since")])
 
 
+def _memory_cap():
+    """8 GiB of address space per case: a refusal needs a fraction, a runaway (a 1000-device
+    mesh once took ~20 GB) fails fast instead of taking the machine."""
+    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+
 def _run(case, sweep_env):
     name, cmd, needle = case
-    r = subprocess.run(cmd, cwd=ROOT, env=sweep_env, capture_output=True, text=True, timeout=240)
+    r = subprocess.run(cmd, cwd=ROOT, env=sweep_env, capture_output=True, text=True, timeout=240,
+                       preexec_fn=_memory_cap)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     ok = (r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ")
           and needle in lines[0] and "Traceback" not in r.stdout)
