@@ -185,8 +185,11 @@ def _memory_cap():
 
 def _run(case, sweep_env):
     name, cmd, needle = case
-    r = subprocess.run(cmd, cwd=ROOT, env=sweep_env, capture_output=True, text=True, timeout=240,
-                       preexec_fn=_memory_cap)
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, env=sweep_env, capture_output=True, text=True,
+                           timeout=120, preexec_fn=_memory_cap)
+    except subprocess.TimeoutExpired:
+        return f"{name}: still running after 120 s (a hang)"
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     ok = (r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ")
           and needle in lines[0] and "Traceback" not in r.stdout)
