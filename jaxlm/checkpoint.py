@@ -126,6 +126,13 @@ def checkpointer() -> ocp.Checkpointer:
     return ocp.Checkpointer(ocp.StandardCheckpointHandler(use_ocdbt=use_ocdbt()))
 
 
+def check_run_folder(out: str) -> None:
+    """A trainer's --out and its `checkpoints/` must be folders it can write (one line if not),
+    checked before a model loads: a save that fails later is minutes of work lost."""
+    storage.check_output_folder(out, "--out")
+    storage.check_output_folder(storage.join(out, "checkpoints"), "the checkpoint folder")
+
+
 def manager(directory: str, *, keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:
     """An orbax CheckpointManager keeping the last `keep` steps; sweeps crash leftovers first."""
     if keep < 1:

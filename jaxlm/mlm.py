@@ -166,8 +166,7 @@ def build_model(preset: str, tokenizer, mesh, layout: str, *, max_length: int, d
 @cli
 def main(argv: list[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
-    storage.check_output_folder(a.out, "--out")
-    storage.check_output_folder(storage.join(a.out, "checkpoints"), "the checkpoint folder")
+    checkpoint.check_run_folder(a.out)  # before anything loads
     try:
         mesh = sharding.make_mesh(a.mesh or f"{jax.device_count()}x1")
     except ValueError as e:

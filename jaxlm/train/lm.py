@@ -66,12 +66,6 @@ def resolve_defaults(a: cli.Args, toy: bool, demo: bool = False) -> cli.Args:
         max_new_tokens=a.max_new_tokens or (128 if a.data else 12))
 
 
-def check_outputs(out: str) -> None:
-    """--out and its checkpoint folder must be writable folders: fail before any loading."""
-    storage.check_output_folder(out, "--out")
-    storage.check_output_folder(storage.join(out, "checkpoints"), "the checkpoint folder")
-
-
 def load_data(a: cli.Args, tokenizer):
     """-> (train Records, held-out Records or None, rows): rows are the batchable arrays
     {"token_ids", "padding_mask", "loss_mask"[, "segment_ids", "positions"]}, [N, L+1] each."""
@@ -126,7 +120,7 @@ def lora_spec_of(a: cli.Args) -> trainer_lib.LoraSpec | None:
 
 def run(a: cli.Args) -> int:
     if not a.compile_only:
-        check_outputs(a.out)
+        checkpoint.check_run_folder(a.out)  # before anything loads
     demo = False
     if a.preset is None:
         a = dataclasses.replace(a, preset=default_preset())
