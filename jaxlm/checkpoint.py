@@ -173,8 +173,10 @@ def _save_error(mngr, step, e: Exception) -> UserError:
     done = complete_steps(str(mngr.directory)) if storage.isdir(str(mngr.directory)) else []
     kept = f"the last complete one is step {done[-1]}" if done else "none is complete yet"
     what = f"the checkpoint of step {step}" if step is not None else "a checkpoint"
-    return UserError(f"cannot save {what} in {mngr.directory} ({_cause(e)}); {kept}. Check that "
-                     "the folder is writable, is a folder and has space, then rerun to resume")
+    err = UserError(f"cannot save {what} in {mngr.directory} ({_cause(e)}); {kept}. Check that "
+                    "the folder is writable, is a folder and has space, then rerun to resume")
+    err.abandoned_threads = True  # orbax's commit threads wait for signals that never come
+    return err
 
 
 def _cause(e: BaseException, limit: int = 300) -> str:

@@ -14,7 +14,6 @@ import functools
 import logging
 import os
 import sys
-import threading
 import warnings
 
 # `jaxlm/__init__` imports some entry-point modules (generate, tokenizer), so `python -m
@@ -25,7 +24,13 @@ warnings.filterwarnings("ignore", message=r"'jaxlm\.[\w.]+' found in sys\.module
 
 
 class UserError(ValueError):
-    """Bad input the user can fix (a wrong path, a malformed file, a mesh that does not fit)."""
+    """Bad input the user can fix (a wrong path, a malformed file, a mesh that does not fit).
+
+    `abandoned_threads` is set when the failure left a library's threads waiting for what
+    never comes (a failed orbax save leaves some for minutes): the command line then ends the
+    process without waiting for them, after its one line."""
+
+    abandoned_threads = False
 
 
 class Stopped(Exception):
@@ -60,16 +65,20 @@ def cli(main):
             return main(*args, **kwargs)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
-            _exit(2)
+            if e.abandoned_threads:  # the interpreter would wait for them at exit
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(2)
+            sys.exit(2)
         except OSError as e:
             print(f"error: {describe_os_error(e)}", file=sys.stderr)
-            _exit(2)
+            sys.exit(2)
         except Stopped as e:
             print(str(e), file=sys.stderr)
             sys.exit(e.code)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
-            _exit(130)
+            sys.exit(130)
     return wrapper
 
 
@@ -77,17 +86,3 @@ def describe_os_error(e: OSError) -> str:
     """One line: what failed and where, e.g. `[Errno 28] No space left on device: '/data/x'`."""
     what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return f"{what} ({type(e).__name__}); check the path, its permissions, free space and the network"
-
-
-def _exit(code: int) -> None:
-    """sys.exit, unless a library left a non-daemon thread behind: a failed orbax save leaves
-    threads waiting (for minutes) on signals that never come, and the interpreter would wait
-    for them at exit. Then the streams are flushed and the process ends at once; everything
-    saved was written (or given up) before the error was raised."""
-    stuck = [t for t in threading.enumerate()
-             if t is not threading.main_thread() and t.is_alive() and not t.daemon]
-    if not stuck:
-        sys.exit(code)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -5,6 +5,7 @@ Each case ends in one line (a UserError, a warning, a `Stopped`) and loses nothi
 train.py-level runs (SIGTERM and resume, the 2-process stop) are in test_train_cli.py and
 test_multihost.py; the sweep of bad command lines is test_sweep.py.
 """
+import importlib.util
 import logging
 import os
 import resource
@@ -136,6 +137,19 @@ def test_closed_event_loop_callbacks_are_dropped_and_nothing_else(tmp_path, caps
     assert seen == [other]
     checkpoint.manager(str(tmp_path / "c"), keep=1).close()
     assert getattr(sys.unraisablehook, "jaxlm", False)  # installed with every manager
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None or machine.has_tpu()
+                    or machine.has_gpu(), reason="needs libtpu installed on a CPU-only machine")
+def test_without_a_tpu_the_tpu_runtime_is_never_started():
+    """libtpu would print its start-up chatter and take /tmp/libtpu_lockfile."""
+    code = ("from jaxlm import machine; machine.quiet_without_tpu(); import jax; jax.devices(); "
+            "from jax._src import xla_bridge as xb; print(sorted(xb.backends()), "
+            "sorted(xb._backend_errors))")
+    child = {k: v for k, v in env().items() if k != "JAX_PLATFORMS"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child, capture_output=True,
+                       text=True, timeout=120)
+    assert r.stdout.strip() == "['cpu'] []" and not r.stderr.strip(), (r.stdout, r.stderr[-2000:])
 
 
 def test_machine_rules():

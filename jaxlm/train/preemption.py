@@ -36,8 +36,8 @@ INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 class Watch:
     """What the loop asks after each step; see the module docstring."""
 
-    def __init__(self, collective: bool):
-        self.collective = collective
+    def __init__(self, collective: bool, active: bool = True):
+        self.collective, self.active = collective, active
         self.signals: list[int] = []  # received here, in order
 
     def _on_signal(self, signum, frame) -> None:
@@ -54,6 +54,8 @@ class Watch:
 
     def now(self, step: int) -> bool:
         """Whether to stop after `step` (call at every step; the same answer on every host)."""
+        if not self.active:
+            return False
         if self.collective:
             from jax.experimental import multihost_utils
             return multihost_utils.reached_preemption_sync_point(step)
@@ -71,12 +73,11 @@ def watch():
     """Catch SIGTERM and SIGINT for the duration (main thread only; elsewhere signals keep
     their behaviour and `now` is always False)."""
     collective = jax.process_count() > 1
-    w = Watch(collective)
     if threading.current_thread() is not threading.main_thread() or (
             collective and not jax.config.jax_enable_preemption_service):
-        w.now = lambda step: False
-        yield w
+        yield Watch(collective, active=False)
         return
+    w = Watch(collective)
     # Several processes: SIGTERM stays with JAX's notifier (a Python handler would replace it).
     caught = (signal.SIGINT,) if collective else (signal.SIGINT, signal.SIGTERM)
     # A signal the parent chose to ignore (nohup, `cmd &` in a script) stays ignored.
