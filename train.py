@@ -23,8 +23,9 @@ def simulate_cpu_devices(argv) -> None:
     """A DxM mesh on a CPU-only machine needs D*M XLA host devices, fixed before jax starts.
 
     The flag only affects the CPU platform, so it is harmless where an accelerator exists (there
-    a mesh that does not fit is reported with the real device count). A malformed --mesh is left
-    for the argument checks to report.
+    a mesh that does not fit is reported with the real device count). On the CPU a mesh out of
+    proportion to the machine is refused now (`jaxlm.machine.check_simulated_devices`), before
+    it can take the machine's memory. A malformed --mesh is left for the argument checks.
     """
     m = re.fullmatch(r"\s*(\d+)x(\d+)\s*", (_flag(argv, "mesh") or "").lower())
     flags = os.environ.get("XLA_FLAGS", "")
@@ -34,6 +35,9 @@ def simulate_cpu_devices(argv) -> None:
         hosts = num_processes_hint(argv)  # several processes share the mesh's devices
         if hosts > 1 and n % hosts == 0:
             n //= hosts
+        from jaxlm import machine
+        if machine.cpu_only():
+            machine.check_simulated_devices(n, f"--mesh={m.group(1)}x{m.group(2)}")
         if n > 1:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
@@ -56,9 +60,22 @@ def start_processes(argv):
     return start(argv)
 
 
+def prepare(argv) -> None:
+    """Before jax starts its backends: the platform, and the simulated devices a CPU mesh
+    needs (jax is imported by then, through the jaxlm package, but reads both later)."""
+    from jaxlm import machine
+    from jaxlm.errors import cli
+
+    @cli
+    def prepare_(argv):
+        machine.quiet_without_tpu()
+        simulate_cpu_devices(argv)
+    prepare_(argv)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    simulate_cpu_devices(argv)
+    prepare(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     argv = start_processes(argv)
     task = _flag(argv, "task") or "lm"
@@ -77,6 +94,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from jaxlm.hugepages import restart_with_huge_pages
-    restart_with_huge_pages()  # on Linux: once, before any work (see its docstring)
-    sys.exit(main())
+    try:  # a Ctrl-C while the libraries import is one line too
+        from jaxlm.hugepages import restart_with_huge_pages
+        restart_with_huge_pages()  # on Linux: once, before any work (see its docstring)
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -28,20 +28,13 @@ Command line::
 """
 from __future__ import annotations
 
-import argparse
 import sys
-import warnings
 
 import jax
 import numpy as np
 
 from jaxlm import decode
-from jaxlm.errors import UserError, cli
-
-# `jaxlm/__init__` imports this module (for `jaxlm.generate`), so `python -m jaxlm.generate`
-# finds it already imported and runpy warns; harmless here, and it would break one-line errors.
-warnings.filterwarnings("ignore", message=r"'jaxlm\.generate' found in sys\.modules",
-                        category=RuntimeWarning)
+from jaxlm.errors import ArgumentParser, UserError, cli
 
 
 def generate(model, params, tokenizer, prompts, max_length: int = 64, sampler="greedy",
@@ -141,8 +134,8 @@ def _read_prompts(args) -> list[str]:
 
 @cli
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m jaxlm.generate",
-                                     description="Generate text with a Gemma model.")
+    parser = ArgumentParser(prog="python -m jaxlm.generate",
+                            description="Generate text with a Gemma model.")
     parser.add_argument("--model", required=True,
                         help="Keras preset folder, jaxlm folder or built-in preset name")
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
@@ -158,7 +151,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     import jaxlm
-    from jaxlm import sampling
+    from jaxlm import machine, sampling
+    machine.quiet_without_tpu()
     prompts = _read_prompts(args)
     sampler = sampling.resolve(args.sampler)  # fail before loading a big model
     seed = _seed_arg(args.seed)

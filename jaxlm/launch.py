@@ -7,8 +7,12 @@ Each child gets the `jaxlm.distributed` settings in its environment (JAX_COORDIN
 127.0.0.1 and a free port, JAXLM_NUM_PROCESSES, JAXLM_PROCESS_ID) and, with
 --devices_per_process, that many simulated CPU devices (XLA_FLAGS) and JAX_PLATFORMS=cpu, so
 jax.devices() is the global N * devices_per_process. Output is streamed line by line prefixed
-with `[pI]`. If one process fails, the others are stopped and the launcher exits with its code;
-Ctrl-C stops them all. On real hosts run the command once per host instead (see README).
+with `[pI]`. If one process fails, the others are stopped and the launcher exits with its code.
+
+Ctrl-C or SIGTERM to the launcher is passed on to every process, so `train.py` processes finish
+their step, save a checkpoint and exit (0 after SIGTERM; the launcher then exits with the worst
+child's code, 130 after Ctrl-C); a second Ctrl-C kills them at once. On real hosts run the
+command once per host instead (see README).
 """
 from __future__ import annotations
 
@@ -22,9 +26,10 @@ import sys
 import threading
 import time
 
-from jaxlm.errors import UserError, cli
+from jaxlm.errors import ArgumentParser, UserError, cli
 
-GRACE_S = 5.0  # SIGTERM, then SIGKILL
+GRACE_S = 5.0  # SIGTERM, then SIGKILL, for the others when one process failed
+STOP_GRACE_S = 600.0  # after forwarding SIGINT/SIGTERM: time to finish a step and checkpoint
 
 
 def free_port() -> int:
@@ -38,8 +43,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise UserError("give the command after --, e.g. python -m jaxlm.launch --num_processes=2 "
                         "-- python train.py --mesh=1x8")
     cut = argv.index("--")
-    p = argparse.ArgumentParser(prog="python -m jaxlm.launch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m jaxlm.launch", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num_processes", type=int, default=2)
     p.add_argument("--devices_per_process", type=int, default=0,
                    help="simulated CPU devices per process (0: leave the platform alone)")
@@ -78,44 +83,92 @@ def _stream(i: int, pipe, lock) -> None:
     pipe.close()
 
 
-def _stop(procs) -> None:
-    """SIGTERM every live child's process group, SIGKILL what is left after GRACE_S."""
-    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 0.0)):
-        live = [p for p in procs if p.poll() is None]
-        for p in live:
+def _signal_all(procs, sig) -> None:
+    for p in procs:
+        if p.poll() is None:
             try:
-                os.killpg(p.pid, sig)
+                os.killpg(p.pid, sig)  # the child's own session: whatever it spawned too
             except ProcessLookupError:
                 pass
-        end = time.monotonic() + wait
-        while wait and time.monotonic() < end and any(p.poll() is None for p in live):
-            time.sleep(0.05)
+
+
+def _stop(procs) -> None:
+    """SIGTERM every live child's process group, SIGKILL what is left after GRACE_S."""
+    _signal_all(procs, signal.SIGTERM)
+    _wait_all(procs, GRACE_S)
+    _signal_all(procs, signal.SIGKILL)
     for p in procs:
         p.wait()
+
+
+def _wait_all(procs, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode  # killed by signal N -> 128 + N
 
 
-def run(a, command: list[str]) -> int:
+def run(a, command: list[str], received: list[int] | None = None) -> int:
+    """Start the processes and watch them; -> the exit code (see the module docstring).
+
+    Signals are not acted on where they land (an exception raised in the middle of Popen or
+    poll can leave a child unstarted-but-running or a lock held, and the launcher hung): the
+    handlers `main` installs append to `received`, and this loop acts between its steps.
+    """
+    received = [] if received is None else received
     address = a.coordinator_address or f"127.0.0.1:{free_port()}"
     lock = threading.Lock()
     procs, threads = [], []
-    try:
-        for i in range(a.num_processes):
-            # Own session per child: stopping it also stops whatever it spawned.
+    for i in range(a.num_processes):
+        if received:
+            break
+        try:  # own session per child: stopping it also stops whatever it spawned
             p = subprocess.Popen(command, env=child_env(a, i, address), stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, start_new_session=True)
-            procs.append(p)
-            with lock:
-                print(f"[launch] process {i}/{a.num_processes} started (pid {p.pid}), "
-                      f"coordinator {address}", flush=True)
-            t = threading.Thread(target=_stream, args=(i, p.stdout, lock), daemon=True)
-            t.start()
-            threads.append(t)
-        while True:
-            codes = [p.poll() for p in procs]
+        except OSError as e:
+            _stop(procs)
+            raise UserError(f"cannot start {command[0]!r}: {e.strerror or e}; check the command "
+                            "after --") from None
+        procs.append(p)
+        with lock:
+            print(f"[launch] process {i}/{a.num_processes} started (pid {p.pid}), "
+                  f"coordinator {address}", flush=True)
+        t = threading.Thread(target=_stream, args=(i, p.stdout, lock), daemon=True)
+        t.start()
+        threads.append(t)
+    forwarded = 0  # signals passed on to the children so far
+    deadline = None
+    while True:
+        if len(received) > forwarded:
+            if forwarded:  # a second signal: stop waiting for them
+                _signal_all(procs, signal.SIGKILL)
+                for p in procs:
+                    p.wait()
+                print("[launch] interrupted again; killed all processes", file=sys.stderr, flush=True)
+                return 130
+            # The first: every child gets it (train.py saves a checkpoint and exits); a child
+            # not started yet never will be.
+            _signal_all(procs, received[0])
+            forwarded, deadline = len(received), time.monotonic() + STOP_GRACE_S
+        codes = [p.poll() for p in procs]
+        if forwarded:
+            if all(c is not None for c in codes) or time.monotonic() > deadline:
+                _stop(procs)
+                for t in threads:
+                    t.join(timeout=2)
+                if received[0] == signal.SIGINT:
+                    print("[launch] interrupted; stopped all processes", file=sys.stderr, flush=True)
+                    return 130
+                worst = max((exit_code(p.returncode) for p in procs), default=128 + signal.SIGTERM)
+                print("[launch] stopped all processes on SIGTERM", file=sys.stderr, flush=True)
+                return worst
+        else:
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 i, c = failed[0]
@@ -127,23 +180,23 @@ def run(a, command: list[str]) -> int:
                       + (f"; stopped process(es) {', '.join(map(str, others))}" if others else ""),
                       file=sys.stderr, flush=True)
                 return exit_code(c)
-            if all(c == 0 for c in codes):
+            if codes and all(c == 0 for c in codes):
                 for t in threads:
                     t.join(timeout=2)
                 return 0
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        _stop(procs)
-        print("[launch] interrupted; stopped all processes", file=sys.stderr, flush=True)
-        return 130
+        time.sleep(0.1)
 
 
 @cli
 def main(argv: list[str] | None = None) -> int:
     a, command = parse(sys.argv[1:] if argv is None else list(argv))
-    # SIGTERM (a scheduler, `kill`) stops the children too, like Ctrl-C.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    return run(a, command)
+    received: list[int] = []
+
+    def on_signal(signum, frame):
+        received.append(signum)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, and a scheduler or `kill`
+        signal.signal(sig, on_signal)
+    return run(a, command, received)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--shuffle_buffer", type=int, default=1 << 16, help="rows (blog: 2**18)")
     p.add_argument("--eval_every", type=int, default=0, help="validate every N steps (0: at the end)")
     p.add_argument("--eval_batches", type=int, default=0, help="cap on validation batches (0: all)")
+    p.add_argument("--allow_data_change", action="store_true",
+                   help="resume even though the shards changed (names or sizes) since the checkpoint")
     p.add_argument("--data_readers", type=int, default=0,
                    help="shard readers the global batch is split over (default: one per host); "
                         "the batches depend on it, not on the number of hosts")
@@ -164,6 +166,7 @@ def build_model(preset: str, tokenizer, mesh, layout: str, *, max_length: int, d
 @cli
 def main(argv: list[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
+    checkpoint.check_run_folder(a.out)  # before anything loads
     try:
         mesh = sharding.make_mesh(a.mesh or f"{jax.device_count()}x1")
     except ValueError as e:
@@ -213,9 +216,13 @@ def main(argv: list[str] | None = None) -> int:
                             "weight_decay", "seed", "mlm_probability", "dtype", "param_dtype",
                             "compute_dtype")}
     fingerprint.update(steps=steps, mesh=f"{replicas}x{mesh.shape['model']}", data_readers=readers,
-                       batch_size=global_batch, warmup_steps=ocfg.warmup_steps)
+                       batch_size=global_batch, warmup_steps=ocfg.warmup_steps,
+                       data_files=checkpoint.files_fingerprint(  # shards can be many GB: sizes only
+                           [f for d in (train_dir, val_dir) if d for f, _ in shards.list_shards(d)],
+                           hashed=lambda p: False))
     mngr = checkpoint.manager(storage.join(a.out, "checkpoints"), keep=a.keep)
-    restored = checkpoint.resume(mngr, state, fingerprint, a.out)
+    restored = checkpoint.resume(mngr, state, fingerprint, a.out,
+                                 allow_change=checkpoint.DATA_KEYS if a.allow_data_change else ())
     if restored is not None:
         state, meta = restored
         print(f"resuming from step {meta['step']} (epoch {meta['epoch']}, batch {meta['batch']})")

@@ -32,8 +32,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from jaxlm import tfrecord
-from jaxlm.errors import UserError, cli
+from jaxlm import storage, tfrecord
+from jaxlm.errors import ArgumentParser, UserError, cli
 
 GROUP_LINES = 1000  # the blog's `map(batched=True, batch_size=1000)`
 SHARD_RE = re.compile(r"-\d+-(\d+)\.tfrecord$")  # the blog's run_mlm.count_samples
@@ -246,10 +246,34 @@ def input_lines(args) -> Iterator[str]:
     return itertools.chain.from_iterable(parts)
 
 
+def claim_out(out: str, overwrite: bool, part: int = 0, parts: int = 1) -> None:
+    """Refuse an --out that already holds shards (or, for a single writer, anything): new
+    shards next to old ones of another --max_length or corpus would be read as one set. With
+    `overwrite` the old shards are deleted (only this writer's, i % parts == part, when several
+    machines share --out); other files are left alone."""
+    storage.check_output_folder(out, "--out")
+    old = [storage.join(out, split, n) for split in ("train", "validation")
+           for n in storage.listdir(storage.join(out, split))
+           if re.search(r"\.tfrecord(\.tmp)?$", n) and _shard_index(n) % parts == part]
+    if overwrite:
+        for path in old:
+            storage.remove_tree(path)
+        return
+    if old or (parts == 1 and storage.listdir(out)):
+        what = f"{len(old)} shard(s) of an earlier run" if old else "other files"
+        raise UserError(f"--out {out} already holds {what}; pass --overwrite to replace the shards, "
+                        "or choose an empty folder")
+
+
+def _shard_index(name: str) -> int:
+    m = re.search(r"dataset-(\d+)-", name)
+    return int(m.group(1)) if m else 0
+
+
 @cli
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxlm.shards", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m jaxlm.shards", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", default=None,
                    help="text files, one example per line, or tfds:NAME[/CONFIG][:VERSION][:SPLIT] "
                         "datasets (default: pydoc_data.topics)")
@@ -266,9 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output folder or bucket URL (gs://…)")
     p.add_argument("--validation_fraction", type=float, default=0.05,
                    help="share of 1000-line groups written to {out}/validation")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the shards a previous run wrote into --out")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     from jaxlm.tokenizer import load_tokenizer
     lines = input_lines(args)  # bad inputs fail before the tokenizer loads
+    claim_out(args.out, args.overwrite, args.process_index, args.process_count)
     tokenizer = load_tokenizer(args.tokenizer)
     writers = write_shards(tokenizer, lines, args.out, max_length=args.max_length,
                            shard_size=args.shard_size, validation_fraction=args.validation_fraction,
@@ -283,4 +310,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -172,3 +172,36 @@ def local(p):
         yield tmp
     finally:
         os.remove(tmp)
+
+
+def check_output_folder(p, what: str) -> None:
+    """Fail now, in one line, if folder `p` cannot be written: it is a file, lies under a file,
+    or (local) its nearest existing parent is not writable. Nothing is created.
+
+    For a URL only what is cheap is checked: `p` is not an existing object and its bucket can
+    be listed (one request); permissions show at the first write.
+    """
+    from jaxlm.errors import UserError
+    p = os.fspath(p)
+    if is_url(p):
+        if isfile(p):
+            raise UserError(f"{what} {p} is an existing object, not a folder; pass a folder URL")
+        root = p.split("://", 1)[0] + "://" + p.split("://", 1)[1].split("/", 1)[0]
+        try:
+            reachable = exists(root)
+        except Exception as e:  # noqa: BLE001  auth, network: whatever the path library raises
+            raise UserError(f"{what} {p}: cannot reach {root} ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        if not reachable:
+            raise UserError(f"{what} {p}: the bucket {root} does not exist or is not visible")
+        return
+    here = os.path.abspath(p)
+    if os.path.exists(here) and not os.path.isdir(here):
+        raise UserError(f"{what} {p} is a file, not a folder; move it away or pass another folder")
+    parent = here
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UserError(f"{what} {p} lies under the file {parent}; pass a folder path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {p}: {parent} is not writable; pass a folder you can write")

@@ -104,17 +104,28 @@ def _maybe_bpe(path: str):
     return load_bpe(path)
 
 
+PYDOC_PIECES = 4096  # pydoc_data.topics supports at most ~4,660 Unigram pieces
+
+
 def default_tokenizer(vocab_size: int = 4096) -> Tokenizer:
     """A Gemma-layout (pad 0, eos 1, bos 2, unk 3) Unigram vocabulary trained on pydoc_data.topics.
 
     Deterministic, trained once and cached under ~/.cache/jaxlm (a few seconds on a laptop).
+    The corpus cannot give more than PYDOC_PIECES pieces, so a larger `vocab_size` (a built-in
+    architecture such as gemma_2b_en, 256,000, run on random weights to plan memory and speed)
+    gets PYDOC_PIECES trained pieces followed by `<unusedN>` pieces up to `vocab_size`: ids
+    and embedding shapes are those of the real model, and text encodes to the trained ids.
     """
     text = _pydoc_corpus()
+    if vocab_size < 8:
+        raise UserError(f"a vocabulary of {vocab_size} pieces is too small; use at least 8")
     digest = hashlib.sha1(f"{vocab_size}:{len(text)}".encode()).hexdigest()[:10]
     cache = os.path.join(os.environ.get("JAXLM_CACHE", os.path.expanduser("~/.cache/jaxlm")),
                          f"tokenizer-{vocab_size}-{digest}.spm")
     if not os.path.exists(cache):
-        proto = train_gemma_layout(text.splitlines(), vocab_size)
+        proto = train_gemma_layout(text.splitlines(), min(vocab_size, PYDOC_PIECES))
+        if vocab_size > PYDOC_PIECES:
+            proto = pad_vocabulary(proto, vocab_size)
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         tmp = cache + f".{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
@@ -136,6 +147,19 @@ def train_gemma_layout(lines: list[str], vocab_size: int) -> bytes:
     return out.getvalue()
 
 
+def pad_vocabulary(proto: bytes, vocab_size: int) -> bytes:
+    """A sentencepiece model with `<unusedN>` pieces appended up to `vocab_size` pieces; UNUSED
+    pieces are never produced by encoding, so the trained pieces keep their ids."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    model = pb.ModelProto()
+    model.ParseFromString(proto)
+    for i in range(vocab_size - len(model.pieces)):
+        piece = model.pieces.add()
+        piece.piece, piece.score, piece.type = f"<unused{i}>", 0.0, pb.ModelProto.SentencePiece.UNUSED
+    model.trainer_spec.vocab_size = vocab_size
+    return model.SerializeToString()
+
+
 def _pydoc_corpus() -> str:
     from pydoc_data import topics
     return "\n".join(topics.topics[k] for k in sorted(topics.topics))
@@ -146,12 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     import sys
     from jaxlm.errors import cli
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "train":
-        print("usage: python -m jaxlm.tokenizer train --input FILES --vocab_size N --out DIR",
-              file=sys.stderr)
-        return 2
-    from jaxlm import tokenizer_train
-    return cli(tokenizer_train.main)(argv[1:])
+
+    @cli
+    def run(argv):
+        if not argv or argv[0] != "train":
+            got = f"unknown command {argv[0]!r}" if argv else "no command"
+            raise UserError(f"{got}; use: python -m jaxlm.tokenizer train --input FILES "
+                            "--vocab_size N --out DIR")
+        from jaxlm import tokenizer_train
+        return tokenizer_train.main(argv[1:])
+    return run(argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ import io
 import os
 import tempfile
 
-from jaxlm.errors import UserError
+from jaxlm import storage
+from jaxlm.errors import ArgumentParser, UserError
 
 SPECIALS = {"[CLS]": 0, "[SEP]": 1, "<unk>": 2, "<pad>": 3, "[MASK]": 4}
 # sentencepiece normalisation rules: source code points <TAB> target code points (hex).
@@ -77,11 +78,11 @@ def train(lines, vocab_size: int, *, num_threads: int = 2,
 
 
 def save(proto: bytes, out_dir: str) -> None:
-    """assets/tokenizer/vocabulary.spm + tokenizer.json (KerasHub AlbertTokenizer) under out_dir."""
-    assets = os.path.join(out_dir, "assets", "tokenizer")
-    os.makedirs(assets, exist_ok=True)
-    with open(os.path.join(assets, "vocabulary.spm"), "wb") as f:
-        f.write(proto)
+    """assets/tokenizer/vocabulary.spm + tokenizer.json (KerasHub AlbertTokenizer) under out_dir
+    (a local folder or a URL)."""
+    assets = storage.join(out_dir, "assets", "tokenizer")
+    storage.makedirs(assets)
+    storage.write_bytes(storage.join(assets, "vocabulary.spm"), proto)
     from jaxlm.convert.keras_preset import write_tokenizer_json
     write_tokenizer_json(out_dir, "keras_hub.src.models.albert.albert_tokenizer", "AlbertTokenizer",
                          "albert_tokenizer", proto=None, sequence_length=None, add_bos=False,
@@ -101,15 +102,17 @@ def mask_id(tokenizer) -> int:
 
 
 def main(argv: list[str]) -> int:
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m jaxlm.tokenizer train",
-                                description="Train the masked-LM Unigram tokenizer (blog choices).")
+    p = ArgumentParser(prog="python -m jaxlm.tokenizer train",
+                       description="Train the masked-LM Unigram tokenizer (blog choices).")
     p.add_argument("--input", nargs="+", default=None,
                    help="text files, one example per line (default: pydoc_data.topics)")
     p.add_argument("--vocab_size", type=int, default=25000)
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", required=True, help="output folder (local or gs://...)")
     p.add_argument("--num_threads", type=int, default=2)
     args = p.parse_args(argv)
+    storage.check_output_folder(args.out, "--out")  # before minutes of training
+    if args.num_threads < 1:
+        raise UserError(f"--num_threads={args.num_threads} must be >= 1")
     if args.input:
         lines = read_lines(args.input)
     else:

@@ -92,20 +92,32 @@ def test_two_hosts_generate_what_one_host_generates(tmp_path):
     assert "[p1] [after]" not in log  # printed by process 0 only
 
 
-def test_kill_every_process_then_resume(lm_runs):
-    root, two, _, _ = lm_runs
-    out = str(root / "killed")
+def _launch_until(out: str, marker: str):
+    """Launch the 2-host LM run into `out`, read its output up to a line containing `marker`;
+    -> (launcher process, the children's pids, the lines read)."""
     proc = subprocess.Popen(LAUNCH + TRAIN + LM + [f"--out={out}"], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     pids, lines = [], []
-    try:
-        for line in proc.stdout:  # children's pids, then wait for the first committed checkpoint
-            lines.append(line)
-            m = re.search(r"process \d/2 started \(pid (\d+)\)", line)
-            if m:
-                pids.append(int(m.group(1)))
-            if "step 2/6" in line:
-                break
+    for line in proc.stdout:
+        lines.append(line)
+        pids += [int(p) for p in re.findall(r"process \d/2 started \(pid (\d+)\)", line)]
+        if marker in line:
+            break
+    return proc, pids, lines
+
+
+def _same_adapters(out: str, ref: str) -> None:
+    a, b = _h5(os.path.join(out, "adapters.lora.h5")), _h5(os.path.join(ref, "adapters.lora.h5"))
+    assert a.keys() == b.keys() and a
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def test_kill_every_process_then_resume(lm_runs):
+    root, two, _, _ = lm_runs
+    out = str(root / "killed")
+    proc, pids, lines = _launch_until(out, "step 2/6")
+    try:  # wait for the first committed checkpoint
         deadline = time.monotonic() + 60
         while not os.path.exists(os.path.join(out, "checkpoints", "2", "commit_success.txt")):
             assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
@@ -123,12 +135,36 @@ def test_kill_every_process_then_resume(lm_runs):
 
     log = _run(LAUNCH + TRAIN + LM + [f"--out={out}"])
     assert re.search(r"\[p0\] resuming from step [246] ", log), log[-3000:]
-    a, b = _h5(os.path.join(out, "adapters.lora.h5")), _h5(os.path.join(two, "adapters.lora.h5"))
-    for k in a:
-        np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    _same_adapters(out, two)
     final = {m["step"]: m["loss"] for m in _metrics(out)}  # resumed steps repeat what was lost
     for m in _metrics(two):
         assert final[m["step"]] == pytest.approx(m["loss"], rel=1e-5)
+
+
+def test_sigterm_to_one_host_stops_every_host_at_one_step_then_resume(lm_runs):
+    """A preemption notice reaches one host; both finish the same step, checkpoint, exit 0."""
+    root, two, _, _ = lm_runs
+    out = str(root / "preempted")
+    # That line is printed after both processes joined jax.distributed (SIGTERM is JAX's then).
+    proc, pids, lines = _launch_until(out, "RANDOMLY INITIALISED")
+    try:
+        os.kill(pids[1], signal.SIGTERM)  # host 1 only
+        rest = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = "".join(lines) + rest
+    assert proc.returncode == 0, log[-3000:]
+    # JAX's preemption sync point: the notice arrives while the first step compiles, so both
+    # hosts stop after step 1, the first step neither has finished.
+    for i in (0, 1):
+        assert f"[p{i}] stopped at step 1; rerun the same command to resume" in log, log[-3000:]
+    assert os.path.exists(os.path.join(out, "checkpoints", "1", "commit_success.txt"))
+    assert "Traceback" not in log and not os.path.exists(os.path.join(out, "adapters.lora.h5"))
+
+    log = _run(LAUNCH + TRAIN + LM + [f"--out={out}"])  # the very same command
+    assert "[p0] resuming from step 1 " in log, log[-3000:]
+    _same_adapters(out, two)
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +279,30 @@ def test_launcher_stops_the_others_when_one_fails():
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_launcher_signals_during_start_up_stop_everything_started():
+    """Signals are acted on between the launcher's steps, never inside Popen or poll (where an
+    exception once left a lock held and the launcher waiting forever): one sent while the
+    children start, and SIGTERM, which is passed on to the children."""
+    sleeper = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"]
+    for sig, delay, code in ((signal.SIGINT, 0.0, 130), (signal.SIGTERM, None, 128 + 15)):
+        proc = subprocess.Popen([sys.executable, "-m", "jaxlm.launch", "--num_processes=4", "--",
+                                 *sleeper], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        pids = []
+        for line in proc.stdout:  # the first child is started: the others are on their way
+            pids += [int(p) for p in re.findall(r"\(pid (\d+)\)", line)]
+            if pids and (delay is not None or line.startswith("[p3] up")):
+                break
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == code, (out, err)
+        pids += [int(p) for p in re.findall(r"\(pid (\d+)\)", out)]
+        assert pids and "Traceback" not in err
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
 
 
 def test_flags_and_environment():

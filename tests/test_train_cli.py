@@ -1,4 +1,4 @@
-"""`python train.py`: one-line errors with exit code 2, and kill -9 + rerun == uninterrupted run."""
+"""`python train.py`: one-line errors with exit code 2; kill -9 or SIGTERM + rerun == uninterrupted run."""
 import os
 import signal
 import subprocess
@@ -90,20 +90,41 @@ def finished(proc):
     return out
 
 
-def test_kill_9_then_rerun_equals_uninterrupted(tmp_path):
-    straight, crashed = str(tmp_path / "straight"), str(tmp_path / "crashed")
-    ref = launch(TINY + [f"--out={straight}"])
-    victim = launch(TINY + [f"--out={crashed}"], start_new_session=True)
-    ckpts = os.path.join(crashed, "checkpoints")
+def _first_commit(proc, out):
+    """Wait until the run in `out` has committed a checkpoint (it must still be running)."""
+    ckpts = os.path.join(out, "checkpoints")
     deadline = time.time() + 300
-    while time.time() < deadline and victim.poll() is None:
+    while time.time() < deadline and proc.poll() is None:
         if any(os.path.exists(os.path.join(ckpts, d, "commit_success.txt"))
                for d in (os.listdir(ckpts) if os.path.isdir(ckpts) else []) if d.isdigit()):
             break
         time.sleep(0.05)
-    assert victim.poll() is None, "the run finished before it could be killed; raise --steps"
+    assert proc.poll() is None, "the run finished before it could be stopped; raise --steps"
+
+
+def test_kill_9_or_sigterm_then_rerun_equals_uninterrupted(tmp_path):
+    straight, crashed = str(tmp_path / "straight"), str(tmp_path / "crashed")
+    termed = str(tmp_path / "termed")
+    ref = launch(TINY + [f"--out={straight}"])
+    victim = launch(TINY + [f"--out={crashed}"], start_new_session=True)
+    preempted = launch(TINY + [f"--out={termed}"])
+    ckpts = os.path.join(crashed, "checkpoints")
+    _first_commit(victim, crashed)
     os.kill(victim.pid, signal.SIGKILL)
     victim.communicate()
+
+    # SIGTERM (a preempted VM): the step running finishes, is checkpointed, exit 0, one line.
+    _first_commit(preempted, termed)
+    preempted.send_signal(signal.SIGTERM)
+    out, err = preempted.communicate(timeout=120)
+    assert preempted.returncode == 0, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stopped at step ") and last.endswith("; rerun the same command to resume")
+    stopped_at = int(last.split()[3].rstrip(";"))
+    assert 0 < stopped_at < 50 and "Traceback" not in err
+    assert os.path.exists(os.path.join(termed, "checkpoints", str(stopped_at), "commit_success.txt"))
+    assert not os.path.exists(os.path.join(termed, "adapters.lora.h5"))  # no export yet
+    assert f"resuming from step {stopped_at} " in finished(launch(TINY + [f"--out={termed}"]))
     done = sorted(int(d) for d in os.listdir(ckpts) if d.isdigit())
     assert done and max(done) < 50
 
@@ -113,15 +134,20 @@ def test_kill_9_then_rerun_equals_uninterrupted(tmp_path):
     assert 0 < resumed_at < 50
     finished(ref)
 
-    a, b = final_adapters(straight), final_adapters(crashed)
-    assert a.keys() == b.keys() and len(a) == 8  # 2 layers x (query, value) x (A, B)
+    a, b, c = final_adapters(straight), final_adapters(crashed), final_adapters(termed)
+    assert a.keys() == b.keys() == c.keys() and len(a) == 8  # 2 layers x (query, value) x (A, B)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+        np.testing.assert_array_equal(a[k], c[k], err_msg=k)
     assert not np.all(a[next(k for k in a if "lora_kernel_b" in k)] == 0)  # it did train
     # metrics continue where the killed run stopped
     steps = [int(l.split('"step": ')[1].split(",")[0])
              for l in open(os.path.join(crashed, "metrics.jsonl"))]
     assert steps[-1] == 50
+    # a clean stop logs its last steps first: every step once
+    steps = [int(l.split('"step": ')[1].split(",")[0])
+             for l in open(os.path.join(termed, "metrics.jsonl"))]
+    assert steps == list(range(1, 51))
 
     # the same --out with a flag that changes the trajectory is refused, not silently mixed
     proc = launch(TINY + [f"--out={crashed}", "--learning_rate=0.5"])

@@ -9,15 +9,15 @@ to replace a previous conversion): a conversion never clobbers a folder it did n
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from jaxlm.errors import UserError, cli
+from jaxlm import machine, precision, storage
+from jaxlm.errors import ArgumentParser, UserError, cli
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m jaxlm.convert", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m jaxlm.convert", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="Keras preset, HF folder, jaxlm folder, .gguf or built-in preset name")
     p.add_argument("out_dir")
     p.add_argument("--to", default=None, help="output format: jaxlm (default), hf or keras")
@@ -31,10 +31,10 @@ def parse(argv):
 @cli
 def main(argv=None):
     args = parse(sys.argv[1:] if argv is None else argv)
-    if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and not args.overwrite:
+    machine.quiet_without_tpu()
+    storage.check_output_folder(args.out_dir, "OUT_DIR")
+    if storage.listdir(args.out_dir) and not args.overwrite:
         raise UserError(f"{args.out_dir} is not empty; choose a new folder or pass --overwrite")
-    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
-        raise UserError(f"{args.out_dir} is a file; pass a folder")
     if args.to_keras and args.to not in (None, "keras"):
         raise UserError(f"--to-keras contradicts --to={args.to}; pass one of them")
     to = "keras" if args.to_keras else args.to or "jaxlm"
@@ -43,8 +43,9 @@ def main(argv=None):
     from jaxlm.loading import SAVE_FORMATS
     if to not in SAVE_FORMATS:
         raise UserError(f"--to={to}: choose one of {', '.join(SAVE_FORMATS)}")
+    dtype = precision.check_dtype(args.dtype, "--dtype")  # before a model loads
 
-    model, params = jaxlm.load(args.source, dtype=args.dtype, weights=args.weights)
+    model, params = jaxlm.load(args.source, dtype=dtype, weights=args.weights)
     tokenizer = _tokenizer_or_none(args.source)
     jaxlm.save(args.out_dir, model, params, tokenizer, format=to)
     n = sum(x.size for x in __import__("jax").tree.leaves(params))
@@ -64,4 +65,4 @@ def _tokenizer_or_none(source):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

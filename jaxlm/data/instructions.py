@@ -57,13 +57,9 @@ def _rows(path: str):
     """Yield dict rows or the string reason a row is unreadable; also report the columns seen."""
     ext = os.path.splitext(path)[1].lower()
     if ext == ".csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            yield ("columns", reader.fieldnames or [])
-            for row in reader:
-                yield ("row", {k: v for k, v in row.items() if k is not None})
+        yield from _csv_rows(path)
     elif ext in (".jsonl", ".ndjson"):
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             for line in f:
                 if not line.strip():
                     continue
@@ -74,7 +70,7 @@ def _rows(path: str):
                     continue
                 yield ("row", row) if isinstance(row, dict) else ("bad", "line is not an object")
     elif ext == ".json":
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             try:
                 data = json.load(f)
             except json.JSONDecodeError as e:
@@ -89,6 +85,71 @@ def _rows(path: str):
     else:
         raise UserError(f"{path}: unsupported data format {ext or '(no extension)'!r}; "
                         "use .csv, .jsonl or .json")
+
+
+MAX_ROW_LINES = 5000  # a quoted field longer than this is taken for a quote never closed
+
+
+def _csv_rows(path: str):
+    """CSV rows as dicts, reading Excel's UTF-8 byte-order mark, refusing a runaway quote.
+
+    An unterminated quote makes the csv module read every following line, up to the next
+    quote or the end of the file, into one field: thousands of rows would vanish behind one
+    "malformed row". Refused, with the line numbers: a row spanning several lines that has not
+    the header's number of fields or breaks the quoting rules (it ends inside a quote at the
+    end of the file, or a quote closes before more text); any row spanning more than
+    MAX_ROW_LINES lines. A well-formed multi-line field is kept, and a malformed one-line row
+    is skipped and counted as before.
+    """
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        lines = _Recorded(f)
+        reader = csv.reader(lines)
+        try:
+            header = next(reader, [])
+            yield ("columns", header)
+            end = reader.line_num
+            for fields in reader:
+                start, end = end + 1, reader.line_num
+                if end - start >= MAX_ROW_LINES or (end > start and (
+                        len(fields) != len(header) or _misquoted(lines.taken))):
+                    raise UserError(
+                        f"{path}: line {start} opens a quote that runs on to line {end}, which "
+                        f"would read the {end - start} line(s) after it as one field and lose "
+                        f"their rows; close the quote on line {start} (a quote inside a field "
+                        'is written "")')
+                lines.taken = []
+                if fields:  # a blank line is no row (as csv.DictReader)
+                    yield ("row", dict(zip(header, fields)))
+        except csv.Error as e:
+            raise UserError(f"cannot read {path} at line {reader.line_num}: {e} (an unterminated "
+                            "quote?); expected UTF-8 CSV with a header row") from None
+
+
+class _Recorded:
+    """A file's lines, keeping those handed out since `taken` was last cleared (one row's)."""
+
+    def __init__(self, f):
+        self.f, self.taken = f, []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        line = next(self.f)
+        self.taken.append(line)
+        return line
+
+
+def _misquoted(raw: list[str]) -> bool:
+    """Whether a row's text breaks the quoting rules the lenient reader forgives: it ends
+    inside a quoted field (the file ran out first), or a quote that closed a field is followed
+    by more text (a runaway quote closed by the next field's opening quote)."""
+    try:
+        for _ in csv.reader(raw, strict=True):
+            pass
+    except csv.Error:
+        return True
+    return False
 
 
 def read_records(path: str, instruction_column: str = "instruction",

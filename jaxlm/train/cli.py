@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from jaxlm import checkpoint, storage
 from jaxlm.data import LOSS_ON
 from jaxlm.errors import UserError
 from jaxlm.train import flags
@@ -57,6 +58,8 @@ def parser() -> argparse.ArgumentParser:
     a("--output_column", default="output")
     a("--template", default=None, help=r'default "Instruction:\n{instruction}\n\nResponse:\n{output}"')
     a("--limit", type=int, default=1000, help="use the first N good rows (0 = all)")
+    a("--allow_data_change", action="store_true",
+      help="resume even though the --data file's size or content changed since the checkpoint")
     a("--loss_on", default=None, choices=list(LOSS_ON),
       help="tokens the loss is taken on: response (the tokens after the template's {output} "
            "marker; the prompt is still attended to; the default: on the demo it reaches 23/40 "
@@ -126,6 +129,7 @@ class Args:
     attention: str = "xla"
     packing: bool = False
     tfds_data_dir: str | None = None
+    allow_data_change: bool = False
 
 
 def parse(argv: list[str]) -> Args:
@@ -185,4 +189,20 @@ def fingerprint(a: Args) -> dict:
             "batch_size", "accum_steps", "learning_rate", "weight_decay", "warmup_steps",
             "schedule", "clip_norm", "seed")
     d = dataclasses.asdict(a)
-    return {k: (list(d[k]) if isinstance(d[k], tuple) else d[k]) for k in keys}
+    return {k: (list(d[k]) if isinstance(d[k], tuple) else d[k]) for k in keys} | {
+        "data_files": data_files(a.data, a.tfds_data_dir)}
+
+
+def data_files(data: str | None, tfds_data_dir: str | None = None) -> dict:
+    """The content fingerprint of --data (`checkpoint.files_fingerprint`): a file's size and
+    hash; for a tfds: dataset, its prepared version folder's file sizes and dataset_info.json's
+    hash (the record files can be many GB); {} for the built-in dataset."""
+    if not data:
+        return {}
+    if not data.startswith("tfds:"):
+        return checkpoint.files_fingerprint([data])
+    from jaxlm.data import tfds
+    folder = tfds.dataset_dir(tfds.parse(data), tfds_data_dir)
+    names = [storage.join(folder, n) for n in storage.listdir(folder)
+             if storage.isfile(storage.join(folder, n))]
+    return checkpoint.files_fingerprint(names, hashed=lambda p: p.endswith(".json"))

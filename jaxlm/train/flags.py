@@ -9,15 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-from jaxlm import precision
-from jaxlm.errors import UserError
+from jaxlm import errors, precision
 
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with one `error:` line (UserError -> exit 2) instead of a usage block."""
-
-    def error(self, message):
-        raise UserError(f"{message} (see {self.prog} --help)")
+ArgumentParser = errors.ArgumentParser  # every entry point's parser: one `error:` line, exit 2
 
 
 SHARED = {  # flag -> (type, help)

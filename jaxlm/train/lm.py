@@ -127,6 +127,8 @@ def lora_spec_of(a: cli.Args) -> trainer_lib.LoraSpec | None:
 
 
 def run(a: cli.Args) -> int:
+    if not a.compile_only:
+        checkpoint.check_run_folder(a.out)  # before anything loads
     demo = False
     if a.preset is None:
         a = dataclasses.replace(a, preset=default_preset())
@@ -211,7 +213,8 @@ def run(a: cli.Args) -> int:
     storage.makedirs(a.out)
     fp = cli.fingerprint(a) | ({"steps": steps} if a.schedule == "cosine" else {})
     mngr = checkpoint.manager(storage.join(a.out, "checkpoints"), keep=a.keep)
-    restored = checkpoint.resume(mngr, state, fp, a.out)
+    restored = checkpoint.resume(mngr, state, fp, a.out,
+                                 allow_change=checkpoint.DATA_KEYS if a.allow_data_change else ())
     evaluator = Evaluator(tokenizer, a.template, held,
                           sample_instructions(a.prompt, held, train.instructions, a.num_samples),
                           eval_examples=a.eval_examples, max_new_tokens=a.max_new_tokens, mesh=mesh)

@@ -13,6 +13,7 @@ from typing import Callable
 import jax
 
 from jaxlm import checkpoint, storage
+from jaxlm.train import preemption
 
 
 def progress_line(step: int, total: int, m: dict, tok_s: float, step_s: float, width: int = 20) -> str:
@@ -31,36 +32,50 @@ def run(step_fn: Callable, state: dict, frozen, get_batch: Callable[[int], dict]
     Checkpoints (via `mngr`, async) every `save_every` steps and at the end; `meta(step)` is
     stored with each (data position, run fingerprint). Metrics are fetched from the devices only
     every `log_every` steps and appended to `metrics_path` as JSON lines.
+
+    SIGTERM or Ctrl-C (`jaxlm.train.preemption`): the current step finishes, is checkpointed and
+    logged, and `jaxlm.errors.Stopped` is raised. A save that fails raises a UserError naming the
+    folder and the cause.
     """
     start = int(jax.device_get(state["step"]))
     pending: list = []  # (step, device metrics) since the last log point
     history: list = []  # (step, host metrics) of every step run here
     t_last = time.perf_counter()
     log_file = MetricsFile(metrics_path) if metrics_path and jax.process_index() == 0 else None
-    try:
-        for s in range(start, num_steps):
-            state, metrics = step_fn(state, frozen, get_batch(s))
-            pending.append((s + 1, metrics))
-            last = s + 1 == num_steps
-            if s == start:  # the first step compiles; time it apart so ms/step means steady state
-                jax.block_until_ready(metrics)
-                now = time.perf_counter()
-                print_fn(f"compiled and ran step {s + 1} in {now - t_last:.1f}s")
-                history += _log(pending, now - t_last, num_steps, log_file, print_fn, quiet=not last)
-                pending, t_last = [], now
-            elif (s + 1) % log_every == 0 or last:
-                host = jax.device_get([m for _, m in pending])  # the only sync point
-                now = time.perf_counter()
-                history += _log(list(zip([p for p, _ in pending], host)), now - t_last,
-                                num_steps, log_file, print_fn)
-                pending, t_last = [], now
-            if mngr is not None and ((save_every and (s + 1) % save_every == 0) or last):
-                checkpoint.save(mngr, s + 1, state, meta(s + 1))
-    finally:
-        if log_file:
-            log_file.close()
-        if mngr is not None:
-            mngr.wait_until_finished()
+    stopped_at = None
+    with preemption.watch() as stop:
+        try:
+            for s in range(start, num_steps):
+                state, metrics = step_fn(state, frozen, get_batch(s))
+                pending.append((s + 1, metrics))
+                last = s + 1 == num_steps
+                stopping = stop.now(s + 1)
+                if s == start:  # the first step compiles; time it apart so ms/step means steady state
+                    jax.block_until_ready(metrics)
+                    now = time.perf_counter()
+                    print_fn(f"compiled and ran step {s + 1} in {now - t_last:.1f}s")
+                    history += _log(pending, now - t_last, num_steps, log_file, print_fn,
+                                    quiet=not (last or stopping))
+                    pending, t_last = [], now
+                elif (s + 1) % log_every == 0 or last or stopping:
+                    host = jax.device_get([m for _, m in pending])  # the only sync point
+                    now = time.perf_counter()
+                    history += _log(list(zip([p for p, _ in pending], host)), now - t_last,
+                                    num_steps, log_file, print_fn)
+                    pending, t_last = [], now
+                if mngr is not None and ((save_every and (s + 1) % save_every == 0) or last
+                                         or stopping):
+                    checkpoint.save(mngr, s + 1, state, meta(s + 1))
+                if stopping:
+                    stopped_at = s + 1
+                    break
+        finally:
+            if log_file:
+                log_file.close()
+            if mngr is not None:
+                checkpoint.wait(mngr)
+        if stopped_at is not None:
+            raise stop.stopped(stopped_at, saved=mngr is not None)
     return state, history
 
 
