@@ -9,7 +9,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-# Dense bf16 spec peaks per JAX device (FLOP/s, HBM bytes/s); shared/reference/tpu_aot.md.
+# Dense bf16 spec peaks per JAX device (FLOP/s, HBM bytes/s), from the published TPU and NVIDIA datasheet figures).
 # On v2/v3 a JAX device is one core (half a chip); v4/v5p use megacore (a device is a chip).
 PEAKS = {
     "TPU v2": (2.25e13, 3.5e11), "TPU v3": (7.0e13, 4.5e11), "TPU v4": (2.75e14, 1.2e12),

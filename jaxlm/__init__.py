@@ -13,8 +13,8 @@ The public face (the promise to users; docs/architecture.md, "Public API"):
 from jaxlm import lora
 from jaxlm.errors import UserError
 from jaxlm.generate import generate
-from jaxlm.loading import load, save
+from jaxlm.loading import load, load_tokenizer, save
 from jaxlm.summary import summary
-from jaxlm.tokenizer import Tokenizer, load_tokenizer
+from jaxlm.tokenizer import Tokenizer
 
 __all__ = ["UserError", "generate", "load", "lora", "save", "summary", "Tokenizer", "load_tokenizer"]

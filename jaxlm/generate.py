@@ -150,14 +150,14 @@ def main(argv=None) -> None:
     parser.add_argument("--no_stop", action="store_true", help="do not stop at EOS")
     args = parser.parse_args(argv)
 
-    import jaxlm
+    from jaxlm.loading import load, load_tokenizer
     from jaxlm import machine, sampling
     machine.quiet_without_tpu()
     prompts = _read_prompts(args)
     sampler = sampling.resolve(args.sampler)  # fail before loading a big model
     seed = _seed_arg(args.seed)
-    model, params = jaxlm.load(args.model)
-    tokenizer = jaxlm.load_tokenizer(args.model)
+    model, params = load(args.model)
+    tokenizer = load_tokenizer(args.model)
     texts = generate(model, params, tokenizer, prompts, args.max_length, sampler, seed,
                      None if args.no_stop else "auto", args.strip_prompt)
     for text in texts:

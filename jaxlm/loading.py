@@ -1,4 +1,5 @@
-"""`jaxlm.load`: one entry point for Keras presets, jaxlm folders and built-in preset names.
+"""`jaxlm.load` and `jaxlm.load_tokenizer`: one entry point for Keras presets, jaxlm folders,
+Hugging Face folders, GGUF files and built-in preset names.
 
 A jaxlm folder (written by `python -m jaxlm.convert` or `save`) is::
 
@@ -31,7 +32,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxlm import checkpoint, families, precision, storage
+from jaxlm import checkpoint, families, precision, storage, tokenizer
 from jaxlm.convert import hf, keras_preset
 from jaxlm.errors import UserError
 from jaxlm.tree import flatten, place_streamed, unflatten
@@ -112,6 +113,44 @@ def _folder_config(path: str):
             raise
         raise UserError(f"{meta_path} is damaged ({type(e).__name__}: {e}); convert the model "
                         "again or restore the file") from None
+
+
+def load_tokenizer(path: str):
+    """A tokenizer from a Keras preset, a jaxlm folder, a Hugging Face folder, a `.spm`/`.model`
+    file, a `.gguf` file (its vocabulary rebuilt as a sentencepiece model) or a built-in preset name."""
+    path = os.fspath(path)
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        from jaxlm.convert import gguf
+        return tokenizer.Tokenizer(gguf.tokenizer_proto(gguf.open_reader(gguf_file)))
+    if not storage.exists(path):
+        if families.preset(path) is not None:
+            fam, cfg = families.preset(path)
+            if fam.name != "gemma":
+                raise UserError(f"the built-in {path} has no tokenizer; train one with "
+                                "`python -m jaxlm.tokenizer train` or pass a preset folder")
+            return tokenizer.default_tokenizer(cfg.vocab_size)
+        raise UserError(f"tokenizer path {path} does not exist")
+    if storage.isdir(path):
+        for rel in (tokenizer.SPM_ASSET, "tokenizer/vocabulary.spm"):
+            if storage.exists(storage.join(path, rel)):
+                return load_tokenizer(storage.join(path, rel))
+        from jaxlm.convert import hf_tokenizer
+        found = hf_tokenizer.read_tokenizer(path) or _maybe_bpe(path)  # an HF folder's files, or a bare BPE folder
+        if found is not None:
+            return found
+        raise UserError(f"{path} holds no tokenizer (expected {tokenizer.SPM_ASSET}, tokenizer/vocabulary.spm "
+                        "or an HF folder's tokenizer.model / vocab.json + merges.txt)")
+    return tokenizer.Tokenizer(storage.read_bytes(path))
+
+
+def _maybe_bpe(path: str):
+    """RoBERTa's byte-level BPE (vocabulary.json + merges.txt), when that family is installed."""
+    try:
+        from jaxlm.bpe import load_bpe
+    except ImportError:
+        return None
+    return load_bpe(path)
 
 
 def abstract_params(module, config) -> dict:

@@ -222,8 +222,8 @@ def input_lines(args) -> Iterator[str]:
     if not args.input:
         if args.process_count != 1:
             raise UserError("--process_count splits tfds: inputs only; pass --input=tfds:...")
-        from jaxlm.tokenizer import _pydoc_corpus
-        return iter(_pydoc_corpus().splitlines())
+        from jaxlm.corpus import pydoc_corpus
+        return iter(pydoc_corpus().splitlines())
     from jaxlm.data import tfds
     from jaxlm.tokenizer_train import read_lines
     files = [i for i in args.input if not tfds.is_spec(i)]
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true",
                    help="replace the shards a previous run wrote into --out")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    from jaxlm.tokenizer import load_tokenizer
+    from jaxlm.loading import load_tokenizer
     lines = input_lines(args)  # bad inputs fail before the tokenizer loads
     claim_out(args.out, args.overwrite, args.process_index, args.process_count)
     tokenizer = load_tokenizer(args.tokenizer)

@@ -16,6 +16,7 @@ import os
 import sentencepiece as spm
 
 from jaxlm import storage
+from jaxlm.corpus import pydoc_corpus
 from jaxlm.errors import UserError
 
 SPM_ASSET = "assets/tokenizer/vocabulary.spm"
@@ -64,46 +65,6 @@ class Tokenizer:
                              add_eos=False)
 
 
-def load_tokenizer(path: str):
-    """A tokenizer from a Keras preset, a jaxlm folder, a Hugging Face folder, a `.spm`/`.model`
-    file, a `.gguf` file (its vocabulary rebuilt as a sentencepiece model) or a built-in preset name."""
-    from jaxlm import families
-    from jaxlm.loading import find_gguf
-    path = os.fspath(path)
-    gguf_file = find_gguf(path)
-    if gguf_file is not None:
-        from jaxlm.convert import gguf
-        return Tokenizer(gguf.tokenizer_proto(gguf.open_reader(gguf_file)))
-    if not storage.exists(path):
-        if families.preset(path) is not None:
-            fam, cfg = families.preset(path)
-            if fam.name != "gemma":
-                raise UserError(f"the built-in {path} has no tokenizer; train one with "
-                                "`python -m jaxlm.tokenizer train` or pass a preset folder")
-            return default_tokenizer(cfg.vocab_size)
-        raise UserError(f"tokenizer path {path} does not exist")
-    if storage.isdir(path):
-        for rel in (SPM_ASSET, "tokenizer/vocabulary.spm"):
-            if storage.exists(storage.join(path, rel)):
-                return load_tokenizer(storage.join(path, rel))
-        from jaxlm.convert import hf_tokenizer
-        found = hf_tokenizer.read_tokenizer(path) or _maybe_bpe(path)  # an HF folder's files, or a bare BPE folder
-        if found is not None:
-            return found
-        raise UserError(f"{path} holds no tokenizer (expected {SPM_ASSET}, tokenizer/vocabulary.spm "
-                        "or an HF folder's tokenizer.model / vocab.json + merges.txt)")
-    return Tokenizer(storage.read_bytes(path))
-
-
-def _maybe_bpe(path: str):
-    """RoBERTa's byte-level BPE (vocabulary.json + merges.txt), when that family is installed."""
-    try:
-        from jaxlm.bpe import load_bpe
-    except ImportError:
-        return None
-    return load_bpe(path)
-
-
 PYDOC_PIECES = 4096  # pydoc_data.topics supports at most ~4,660 Unigram pieces
 
 
@@ -116,7 +77,7 @@ def default_tokenizer(vocab_size: int = 4096) -> Tokenizer:
     gets PYDOC_PIECES trained pieces followed by `<unusedN>` pieces up to `vocab_size`: ids
     and embedding shapes are those of the real model, and text encodes to the trained ids.
     """
-    text = _pydoc_corpus()
+    text = pydoc_corpus()
     if vocab_size < 8:
         raise UserError(f"a vocabulary of {vocab_size} pieces is too small; use at least 8")
     digest = hashlib.sha1(f"{vocab_size}:{len(text)}".encode()).hexdigest()[:10]
@@ -158,11 +119,6 @@ def pad_vocabulary(proto: bytes, vocab_size: int) -> bytes:
         piece.piece, piece.score, piece.type = f"<unused{i}>", 0.0, pb.ModelProto.SentencePiece.UNUSED
     model.trainer_spec.vocab_size = vocab_size
     return model.SerializeToString()
-
-
-def _pydoc_corpus() -> str:
-    from pydoc_data import topics
-    return "\n".join(topics.topics[k] for k in sorted(topics.topics))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@
 The blog (`train_unigram.py`, HF tokenizers) normalises only `` and '' to ", splits on spaces
 with a Metaspace prefix, has no byte fallback (unseen characters become <unk>), and fixes the
 special ids [CLS]=0 [SEP]=1 <unk>=2 <pad>=3 [MASK]=4. The sentencepiece options below reproduce
-that (see shared/reference/mlm_pipeline.md §3). Long lines (WikiText paragraphs) are kept, not
+that. Long lines (WikiText paragraphs) are kept, not
 silently skipped as sentencepiece's 4192-byte default would.
 
 DIR gets `assets/tokenizer/vocabulary.spm` + `tokenizer.json`, KerasHub's AlbertTokenizer layout
@@ -29,12 +29,11 @@ MAX_LINE_BYTES = 1 << 16
 
 def read_lines(paths: list[str]):
     """Yield the lines of every file (local or a path library URL), failing fast on a missing one."""
-    from jaxlm.shards import open_path, exists
     for p in paths:
-        if not exists(p):
+        if not storage.exists(p):
             raise UserError(f"input file {p} does not exist")
     for p in paths:
-        with open_path(p, "rb") as f:
+        with storage.open_file(p, "rb") as f:
             for raw in f:
                 yield raw.decode("utf-8", errors="replace").rstrip("\n")
 
@@ -116,8 +115,8 @@ def main(argv: list[str]) -> int:
     if args.input:
         lines = read_lines(args.input)
     else:
-        from jaxlm.tokenizer import _pydoc_corpus
-        lines = _pydoc_corpus().splitlines()
+        from jaxlm.corpus import pydoc_corpus
+        lines = pydoc_corpus().splitlines()
     proto = train(lines, args.vocab_size, num_threads=args.num_threads)
     save(proto, args.out)
     import sentencepiece as spm

@@ -89,8 +89,11 @@ def test_skinny_matmul_bench_times_each_column_count_against_one_read():
     for name in ("read_ms", "c1_ms", "c4_ms", "c1_x_read", "c4_x_read", "numpy_c4_ms"):
         positive(fields[name])
     assert "c2_ms" not in fields
-    assert math.isclose(float(fields["c4_x_read"]),
-                        float(fields["c4_ms"]) / float(fields["read_ms"]), rel_tol=0.02)
+    # The times are printed to 0.001 ms and the ratio to 0.01: the ratio must lie within what
+    # those roundings allow (a tiny read time makes the bound wide, not the check vacuous).
+    c4, read, half = float(fields["c4_ms"]), float(fields["read_ms"]), 0.0005
+    low, high = (c4 - half) / (read + half), (c4 + half) / max(read - half, 1e-9)
+    assert low - 0.005 <= float(fields["c4_x_read"]) <= high + 0.005, fields
 
 
 def test_skinny_matmul_bench_refuses_more_cores_than_it_may_use():

@@ -166,9 +166,10 @@ def gemma_style_spm():
     import io
 
     import sentencepiece as spm
-    from jaxlm.tokenizer import Tokenizer, _pydoc_corpus
+    from jaxlm.corpus import pydoc_corpus
+    from jaxlm.tokenizer import Tokenizer
     out = io.BytesIO()
-    lines = [l for l in _pydoc_corpus().splitlines() if l.strip()][:4000]
+    lines = [l for l in pydoc_corpus().splitlines() if l.strip()][:4000]
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines), model_writer=out, vocab_size=VOCAB, model_type="bpe",
         pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",

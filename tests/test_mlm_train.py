@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxlm import mlm, shards, tokenizer_train
-from jaxlm.tokenizer import _pydoc_corpus
+from jaxlm.corpus import pydoc_corpus
 
 MAXLEN = 64
 
@@ -14,7 +14,7 @@ MAXLEN = 64
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlm")
-    lines = _pydoc_corpus().splitlines()[:4000]
+    lines = pydoc_corpus().splitlines()[:4000]
     corpus = root / "corpus.txt"
     corpus.write_text("\n".join(lines) + "\n")
     tok_dir = str(root / "tok")

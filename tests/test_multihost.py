@@ -170,10 +170,10 @@ def test_sigterm_to_one_host_stops_every_host_at_one_step_then_resume(lm_runs):
 @pytest.fixture(scope="module")
 def shards_dir(tmp_path_factory):
     from jaxlm import shards, tokenizer_train
-    from jaxlm.tokenizer import _pydoc_corpus
+    from jaxlm.corpus import pydoc_corpus
     root = tmp_path_factory.mktemp("mlm")
     corpus = root / "corpus.txt"
-    corpus.write_text("\n".join(_pydoc_corpus().splitlines()[:1500]) + "\n")
+    corpus.write_text("\n".join(pydoc_corpus().splitlines()[:1500]) + "\n")
     tok = str(root / "tok")
     assert tokenizer_train.main(["--input", str(corpus), "--vocab_size", "400", "--out", tok]) == 0
     data = str(root / "shards")

@@ -14,8 +14,9 @@ MAXLEN = 32
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     from jaxlm import tokenizer_train
-    from jaxlm.tokenizer import Tokenizer, _pydoc_corpus
-    proto = tokenizer_train.train(_pydoc_corpus().splitlines()[:3000], 400, num_threads=1)
+    from jaxlm.corpus import pydoc_corpus
+    from jaxlm.tokenizer import Tokenizer
+    proto = tokenizer_train.train(pydoc_corpus().splitlines()[:3000], 400, num_threads=1)
     return Tokenizer(proto)
 
 

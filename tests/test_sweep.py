@@ -49,7 +49,7 @@ def _diff(before: dict, after: dict) -> list[str]:
 def world(tmp_path_factory):
     """The sweep's folder: data files good and bad, a tokenizer, shards, a broken model."""
     from jaxlm import shards, tokenizer_train
-    from jaxlm.tokenizer import _pydoc_corpus
+    from jaxlm.corpus import pydoc_corpus
     w = tmp_path_factory.mktemp("sweep")
 
     def write(name, text):
@@ -64,7 +64,7 @@ def world(tmp_path_factory):
     write("empty.csv", "")
     write("bad.json", "[{\"instruction\": ")
     write("data.tsv", "instruction\toutput\nq\ta\n")
-    write("corpus.txt", "\n".join(_pydoc_corpus().splitlines()[:1200]) + "\n")
+    write("corpus.txt", "\n".join(pydoc_corpus().splitlines()[:1200]) + "\n")
     write("afile", "a file where a folder should be\n")
     write("broken/jaxlm.json", '{"family": "gemma", "config": {')
     write("nonempty/keep.txt", "a previous conversion\n")

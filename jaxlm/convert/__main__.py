@@ -56,7 +56,7 @@ def main(argv=None):
 
 
 def _tokenizer_or_none(source):
-    from jaxlm.tokenizer import load_tokenizer
+    from jaxlm.loading import load_tokenizer
     try:
         return load_tokenizer(source)
     except UserError as e:
