@@ -27,7 +27,7 @@ import sharding
 from jaxlm import checkpoint, distributed, families, loading, precision, shards, storage
 from jaxlm.data.mlm import Readers, masking_for, prefetch
 from jaxlm.errors import UserError, cli
-from jaxlm.train import flags, loop, optim, trainer
+from jaxlm.train import flags, loop, optim, report, trainer
 from jaxlm.train.step import make_eval_step
 from models.roberta import Roberta, RobertaConfig
 
@@ -262,20 +262,28 @@ def main(argv: list[str] | None = None) -> int:
     history = []
     validations = loop.MetricsFile(storage.join(a.out, "validation.jsonl")) \
         if val_dir is not None and jax.process_index() == 0 else None
+    board = [report.TensorBoard(a.out)] if jax.process_index() == 0 else []
     for stop in list(range(start - start % chunk + chunk, steps, chunk)) + [steps]:
         if stop <= int(jax.device_get(state["step"])):
             continue
         state, h = loop.run(run_.step, state, None, lambda s: place(batches(s)), num_steps=stop,
                             mngr=mngr, save_every=a.save_every, log_every=a.log_every,
                             meta=lambda s: {"step": s, **batches.position(s), "fingerprint": fingerprint},
-                            metrics_path=loop.metrics_file(a.out))
+                            metrics_path=loop.metrics_file(a.out), sinks=board)
         history += h
         result = validate(stop)
         if result is not None and validations is not None:
             validations.write([result])
+            for sink in board:
+                sink.write([{"step": stop, **{k: v for k, v in result.items() if k != "step"}}])
     if validations is not None:
         validations.close()
     mngr.close()
+    for sink in board:
+        sink.close()
+    if jax.process_index() == 0 and report.plot(a.out):
+        print(f"wrote {storage.join(a.out, 'metrics.png')} and TensorBoard events in "
+              f"{storage.join(a.out, 'tensorboard')}")
     if len(history) > 1:
         (s0, m0), (s1, m1) = history[0], history[-1]
         print(f"MLM loss {m0['loss']:.3f} -> {m1['loss']:.3f}, masked-token accuracy "

@@ -7,6 +7,7 @@ import pytest
 
 from jaxlm import mlm, shards, tokenizer_train
 from jaxlm.corpus import pydoc_corpus
+from jaxlm.train import report
 
 MAXLEN = 64
 
@@ -43,6 +44,11 @@ def test_train_loss_falls_validates_and_resumes(pipeline, capsys):
     first, last = np.mean([r["loss"] for r in rows[:5]]), np.mean([r["loss"] for r in rows[-5:]])
     assert last < first - 0.5, (first, last)
     assert first == pytest.approx(np.log(600), abs=0.7)  # a fresh model is near uniform
+    board = report.read_scalars(os.path.join(out, "tensorboard"))
+    assert [s for s, _ in board["train/loss"]] == list(range(1, 31))
+    assert [s for s, _ in board["validation/loss"]] == [30]
+    with open(os.path.join(out, "metrics.png"), "rb") as f:
+        assert f.read(4) == b"\x89PNG"
 
     # Preempted after step 15: drop the final checkpoint, rerun the same command. It resumes at
     # 15 and replays steps 16..30 on the same batches and masks: the same losses come out.

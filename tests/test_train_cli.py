@@ -1,4 +1,5 @@
 """`python train.py`: one-line errors with exit code 2; kill -9 or SIGTERM + rerun == uninterrupted run."""
+import json
 import os
 import signal
 import subprocess
@@ -7,6 +8,8 @@ import time
 
 import h5py
 import numpy as np
+
+from jaxlm.train import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tiny and quick, but long enough (in steps) that a kill lands mid-run.
@@ -132,7 +135,17 @@ def test_kill_9_or_sigterm_then_rerun_equals_uninterrupted(tmp_path):
     assert "resuming from step" in out
     resumed_at = int(out.split("resuming from step ")[1].split()[0])
     assert 0 < resumed_at < 50
-    finished(ref)
+    printed = finished(ref)
+    # What the run leaves to look at: the time table, the PNG, TensorBoard's events.
+    table = printed[printed.index("time: phase"):].splitlines()
+    assert [l.split()[0] for l in table[1:]] == ["load", "eval", "compile", "train", "eval",
+                                                   "export", "total"], table
+    with open(os.path.join(straight, "metrics.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    loss = report.read_scalars(os.path.join(straight, "tensorboard"))["train/loss"]
+    jsonl = [json.loads(l) for l in open(os.path.join(straight, "metrics.jsonl"))]
+    assert [s for s, _ in loss] == list(range(1, 51))
+    np.testing.assert_allclose([v for _, v in loss], [r["loss"] for r in jsonl], rtol=1e-6)
 
     a, b, c = final_adapters(straight), final_adapters(crashed), final_adapters(termed)
     assert a.keys() == b.keys() == c.keys() and len(a) == 8  # 2 layers x (query, value) x (A, B)

@@ -20,7 +20,7 @@ import sharding
 from jaxlm import checkpoint, data, distributed, precision, storage
 from jaxlm.errors import UserError
 from jaxlm.loading import resolve
-from jaxlm.train import cli, loop, optim, trainer as trainer_lib
+from jaxlm.train import cli, loop, optim, report, trainer as trainer_lib
 from jaxlm.train.evaluate import Evaluator, sample_instructions
 from jaxlm.train.export import export
 from jaxlm.train.loss import lm_loss_fn
@@ -140,6 +140,7 @@ def run(a: cli.Args) -> int:
             a.preset, a.compile_only, mesh_spec=a.mesh, lora=lora_spec_of(a), layout=a.layout,
             batch_size=a.batch_size, sequence_length=a.sequence_length or cli.DATA_SEQUENCE_LENGTH,
             accum_steps=a.accum_steps, remat=a.remat, policy=policy_of(a, target), packing=a.packing)
+    phases = report.Phases()
     policy = policy_of(a)
     kind, family, config = resolve(a.preset, policy.compute)
     toy = kind == "preset"
@@ -219,6 +220,7 @@ def run(a: cli.Args) -> int:
                           sample_instructions(a.prompt, held, train.instructions, a.num_samples),
                           eval_examples=a.eval_examples, max_new_tokens=a.max_new_tokens, mesh=mesh)
     lead = jax.process_index() == 0
+    phases.mark("load")
     before_path = storage.join(a.out, "eval_before.json")
     if restored is not None:
         state, meta = restored
@@ -230,6 +232,7 @@ def run(a: cli.Args) -> int:
                            state["trainable"] if a.lora_rank else None)
         if lead:
             storage.write_text(before_path, json.dumps(before, indent=1))
+        phases.mark("eval before")
 
     def get_batch(step):
         # Every host can index the whole batch (the rows are in memory); it keeps the rows its
@@ -243,6 +246,7 @@ def run(a: cli.Args) -> int:
         return distributed.place_batch(run_.batch_sharding, local, shapes)
 
     global_batch = a.batch_size * a.accum_steps
+    board = [report.TensorBoard(a.out)] if lead else []
     done = int(jax.device_get(state["step"]))
     if done >= steps:
         print(f"already trained to step {done} (of {steps}); nothing left to run")
@@ -254,8 +258,10 @@ def run(a: cli.Args) -> int:
                               save_every=a.save_every, log_every=a.log_every,
                               meta=lambda s: {"step": s, "data_position": s * global_batch,
                                               "fingerprint": fp},
-                              metrics_path=loop.metrics_file(a.out))
+                              metrics_path=loop.metrics_file(a.out), phases=phases, sinks=board)
     mngr.close()
+    for sink in board:
+        sink.close()
     if len(history) > 1:
         (s0, m0), (s1, m1) = history[0], history[-1]
         print(f"loss {m0['loss']:.3f} -> {m1['loss']:.3f}, token accuracy {m0['accuracy']:.3f} -> "
@@ -268,6 +274,14 @@ def run(a: cli.Args) -> int:
         storage.write_text(storage.join(a.out, "eval_after.json"), json.dumps(after, indent=1))
     if "exact_match" in before and "exact_match" in after:
         print(f"exact match: {before['exact_match']:.1%} before -> {after['exact_match']:.1%} after")
+    phases.mark("eval after")
     export(a.out, base_model, frozen if a.lora_rank else trained, trained if a.lora_rank else None,
            tokenizer, merged=a.export == "merged", base=a.preset)
+    if lead:
+        png = report.plot(a.out)
+        if png:
+            print(f"wrote {png} (loss and token accuracy) and TensorBoard events: "
+                  f"tensorboard --logdir {storage.join(a.out, 'tensorboard')}")
+    phases.mark("export")
+    print(phases.table())
     return 0

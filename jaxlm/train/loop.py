@@ -25,13 +25,16 @@ def progress_line(step: int, total: int, m: dict, tok_s: float, step_s: float, w
 
 def run(step_fn: Callable, state: dict, frozen, get_batch: Callable[[int], dict], *,
         num_steps: int, mngr=None, save_every: int = 0, meta: Callable[[int], dict] = lambda s: {},
-        log_every: int = 10, metrics_path: str | None = None, print_fn=print):
+        log_every: int = 10, metrics_path: str | None = None, sinks=(), phases=None,
+        print_fn=print):
     """Train from `state["step"]` to `num_steps`; -> (final state, [(step, host metrics)]).
 
     step_fn(state, frozen, batch) -> (state, metrics) with metrics {loss, accuracy, count, ...}.
     Checkpoints (via `mngr`, async) every `save_every` steps and at the end; `meta(step)` is
     stored with each (data position, run fingerprint). Metrics are fetched from the devices only
-    every `log_every` steps and appended to `metrics_path` as JSON lines.
+    every `log_every` steps and appended to `metrics_path` as JSON lines, and given to each of
+    `sinks` (`write(rows)`, `close()`: e.g. `report.TensorBoard`). With `phases`
+    (`report.Phases`), the first step is marked "compile" and the rest "train".
 
     SIGTERM or Ctrl-C (`jaxlm.train.preemption`): the current step finishes, is checkpointed and
     logged, and `jaxlm.errors.Stopped` is raised. A save that fails raises a UserError naming the
@@ -41,7 +44,9 @@ def run(step_fn: Callable, state: dict, frozen, get_batch: Callable[[int], dict]
     pending: list = []  # (step, device metrics) since the last log point
     history: list = []  # (step, host metrics) of every step run here
     t_last = time.perf_counter()
-    log_file = MetricsFile(metrics_path) if metrics_path and jax.process_index() == 0 else None
+    lead = jax.process_index() == 0
+    log_file = _Fanout(([MetricsFile(metrics_path)] if metrics_path else []) + list(sinks)) \
+        if lead and (metrics_path or sinks) else None
     stopped_at = None
     with preemption.watch() as stop:
         try:
@@ -54,6 +59,8 @@ def run(step_fn: Callable, state: dict, frozen, get_batch: Callable[[int], dict]
                     jax.block_until_ready(metrics)
                     now = time.perf_counter()
                     print_fn(f"compiled and ran step {s + 1} in {now - t_last:.1f}s")
+                    if phases is not None:
+                        phases.mark("compile")
                     history += _log(pending, now - t_last, num_steps, log_file, print_fn,
                                     quiet=not (last or stopping))
                     pending, t_last = [], now
@@ -74,6 +81,8 @@ def run(step_fn: Callable, state: dict, frozen, get_batch: Callable[[int], dict]
                 log_file.close()
             if mngr is not None:
                 checkpoint.wait(mngr)
+            if phases is not None and num_steps > start + 1:
+                phases.mark("train")
         if stopped_at is not None:
             raise stop.stopped(stopped_at, saved=mngr is not None)
     return state, history
@@ -98,6 +107,22 @@ def _log(items, seconds: float, total: int, log_file, print_fn, quiet: bool = Fa
 
 def metrics_file(out_dir: str) -> str:
     return storage.join(out_dir, "metrics.jsonl")
+
+
+class _Fanout:
+    """The same rows to several sinks."""
+
+    def __init__(self, sinks: list):
+        self.sinks = sinks
+
+    def write(self, rows: list[dict]) -> None:
+        for sink in self.sinks:
+            sink.write(rows)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            if isinstance(sink, MetricsFile):  # the others belong to the caller
+                sink.close()
 
 
 class MetricsFile:

@@ -1,9 +1,9 @@
 """What a run leaves to look at: a time table, TensorBoard event files, a loss curve PNG.
 
     phases = Phases()
-    with phases("load"):
-        ...
-    print(phases.table())                       # seconds per phase and in all
+    ...                                          # load the model
+    phases.mark("load")                          # the seconds since the previous mark
+    print(phases.table())                        # seconds per phase and in all
     board = TensorBoard(out)                     # out/tensorboard/events.out.tfevents.*
     board.write(rows)                            # the rows loop.run appends to metrics.jsonl
     plot(out)                                    # out/metrics.png from out/metrics.jsonl
@@ -15,7 +15,6 @@ metrics.jsonl does. The PNG is drawn by matplotlib (Agg, no display).
 """
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import time
@@ -24,29 +23,27 @@ from jaxlm import storage
 
 
 class Phases:
-    """Wall-clock seconds of the named phases of a run, in the order they ran."""
+    """Wall-clock seconds of the consecutive phases of a run: `mark(name)` closes the phase that
+    began at the previous mark (or at creation) and names it. Marks are linear, so the phases
+    add up to the total by construction."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
-        self.start = time.perf_counter()
+        self.start = self.last = time.perf_counter()
 
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now
 
     def table(self) -> str:
-        total = time.perf_counter() - self.start
+        """One row per phase and the total, e.g. `time: load 12.3 s ... total 60.1 s`."""
+        total = self.last - self.start
         width = max([len(n) for n in self.seconds] + [5])
-        lines = [f"time: {'phase':<{width}}  seconds"]
-        lines += [f"      {n:<{width}}  {s:8.1f}" for n, s in self.seconds.items()]
-        lines.append(f"      {'total':<{width}}  {total:8.1f}")
+        lines = [f"time: {'phase':<{width}}  seconds   share"]
+        lines += [f"      {n:<{width}}  {s:7.1f}  {s / max(total, 1e-9):6.1%}"
+                  for n, s in self.seconds.items()]
+        lines.append(f"      {'total':<{width}}  {total:7.1f}")
         return "\n".join(lines)
 
 
@@ -93,11 +90,27 @@ class TensorBoard:
         for row in rows:
             for key, value in row.items():
                 if key not in self.SKIP and isinstance(value, (int, float)):
-                    self.writer.add_scalar(f"train/{key}", value, row["step"])
+                    tag = f"validation/{key[4:]}" if key.startswith("val_") else f"train/{key}"
+                    self.writer.add_scalar(tag, value, row["step"])
         self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
+
+
+def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} from every event file in `logdir` (local or URL), in file
+    order: what TensorBoard would plot, read with its own protobuf (shipped by tensorboardX)."""
+    from tensorboardX.proto import event_pb2
+    from jaxlm.tfrecord import read_records
+    out: dict[str, list] = {}
+    for name in sorted(storage.listdir(logdir)):
+        with storage.open_file(storage.join(logdir, name), "rb") as f:
+            for record in read_records(f, name):
+                event = event_pb2.Event.FromString(record)
+                for v in event.summary.value:
+                    out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
 
 
 def read_metrics(out: str) -> list[dict]:
