@@ -21,7 +21,7 @@ from test_train_cli import ROOT, env
 PY = sys.executable
 TRAIN = [PY, "train.py"]
 TINY = ["--preset=gemma_tiny", "--mesh=1x2", "--batch_size=2", "--sequence_length=16",
-        "--eval_examples=0", "--num_samples=0"]
+        "--loss_on=all", "--eval_examples=0", "--num_samples=0"]
 
 
 def _snapshot(root: str, skip: str | None = None) -> dict:
@@ -64,6 +64,8 @@ def world(tmp_path_factory):
     write("empty.csv", "")
     write("bad.json", "[{\"instruction\": ")
     write("data.tsv", "instruction\toutput\nq\ta\n")
+    write("long.csv", "instruction,output\n" + "".join(
+        f"{' '.join(['a long question'] * 20)} {i},answer {i}\n" for i in range(4)))
     write("corpus.txt", "\n".join(pydoc_corpus().splitlines()[:1200]) + "\n")
     write("afile", "a file where a folder should be\n")
     write("broken/jaxlm.json", '{"family": "gemma", "config": {')
@@ -150,6 +152,9 @@ def cases(w) -> list[tuple[str, list[str], str]]:
         ("train: empty data", TRAIN + TINY + [f"--data={p('empty.csv')}", f"--out={new}"], "is empty"),
         ("train: broken JSON", TRAIN + TINY + [f"--data={p('bad.json')}", f"--out={new}"],
          "is not valid JSON"),
+        ("train: no response token", TRAIN + TINY + [f"--data={p('long.csv')}", "--loss_on=response",
+                                                 f"--out={new}"],
+         "no example has a response token within --sequence_length=16"),
         ("train: bad template", TRAIN + TINY + ["--template={question}", f"--out={new}"],
          "bad --template"),
         ("train: broken model", TRAIN + TINY[1:] + [f"--preset={p('broken')}", f"--out={new}"],
