@@ -36,8 +36,9 @@ README_MAX_LINES = 250
 RUN = {"bash": "bash", "sh": "bash", "python": "python"}
 MARKS = ("skip", "no-install")
 BLOCK_TIMEOUT_S = 240
-# Flags of other tools the pages mention (gcloud, tfds, XLA, pip, pytest, hf), never ours.
+# Flags of other tools the pages mention (gcloud, srun, tfds, XLA, pip, hf), never ours.
 EXTERNAL_FLAGS = {"--worker", "--command", "--zone", "--data_dir", "--config", "--local-dir",
+                  "--nodes", "--ntasks-per-node",
                   "--xla_force_host_platform_device_count", "--xla_dump_to",
                   "--xla_dump_hlo_as_text", "--xla_gpu_enable_dynamic_slice_fusion",
                   "--upgrade", "--pyargs"}
