@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from jaxlm import checkpoint, storage
+from jaxlm import checkpoint, distributed, storage
 from jaxlm.data import LOSS_ON
 from jaxlm.errors import UserError
 from jaxlm.train import flags
@@ -82,6 +82,7 @@ def parser() -> argparse.ArgumentParser:
     a("--compile_only", default=None, metavar="TOPOLOGY",
       help="compile the train step for a TPU slice (v3:2x2, v5e:2x4, v4:2x2x1, v6e:2x4; needs "
            "libtpu) or 'cpu', print its per-device memory and exit; no weights are loaded")
+    distributed.add_flags(p)  # consumed by train.py before this parser runs; listed for --help
     return p
 
 
