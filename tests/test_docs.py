@@ -42,7 +42,7 @@ EXTERNAL_FLAGS = {"--worker", "--command", "--zone", "--data_dir", "--config", "
                   "--nodes", "--ntasks-per-node",
                   "--xla_force_host_platform_device_count", "--xla_dump_to",
                   "--xla_dump_hlo_as_text", "--xla_gpu_enable_dynamic_slice_fusion",
-                  "--upgrade", "--pyargs"}
+                  "--upgrade", "--pyargs", "--logdir"}
 # The jaxlm entry points; any other `python -m jaxlm.X` or `python bench/X.py` on a page is
 # checked against its own --help too.
 ENTRY_POINTS = ["train.py", "train.py --task=mlm", "-m jaxlm.convert", "-m jaxlm.generate",

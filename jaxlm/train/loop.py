@@ -20,7 +20,7 @@ def progress_line(step: int, total: int, m: dict, tok_s: float, step_s: float, w
     done = int(width * step / max(total, 1))
     bar = "#" * done + "." * (width - done)
     return (f"[{bar}] step {step:>{len(str(total))}}/{total}  loss {m['loss']:.4f}  "
-            f"acc {m['accuracy']:.3f}  {tok_s:,.0f} tok/s  {step_s * 1e3:,.1f} ms/step")
+            f"acc {m['accuracy']:.3f}  {tok_s:,.0f} scored tok/s  {step_s * 1e3:,.1f} ms/step")
 
 
 def run(step_fn: Callable, state: dict, frozen, get_batch: Callable[[int], dict], *,
