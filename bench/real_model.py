@@ -356,6 +356,8 @@ def main(argv=None) -> int:
                             if seq == args.seqs[0]:
                                 memory.setdefault(mode, {})[f] = (got["peak"], got["delta"])
                 else:
+                    if seq != args.seqs[0]:  # PEFT and enable_lora change their model in place
+                        models.update({f: load(f, src) for f in models if f != "jaxlm"})
                     batch = random_batch(cfg.vocab_size, batch_size, seq)
                     runners = {f: runner(f, models[f], batch, batch_size, rank, args.layers)
                                for f in frameworks}
