@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         if result is not None and validations is not None:
             validations.write([result])
             for sink in board:
-                sink.write([{"step": stop, **{k: v for k, v in result.items() if k != "step"}}])
+                sink.write([result])
     if validations is not None:
         validations.close()
     mngr.close()

@@ -45,8 +45,8 @@ def run(step_fn: Callable, state: dict, frozen, get_batch: Callable[[int], dict]
     history: list = []  # (step, host metrics) of every step run here
     t_last = time.perf_counter()
     lead = jax.process_index() == 0
-    log_file = _Fanout(([MetricsFile(metrics_path)] if metrics_path else []) + list(sinks)) \
-        if lead and (metrics_path or sinks) else None
+    log_file = MetricsFile(metrics_path) if metrics_path and lead else None
+    outputs = ([log_file] if log_file else []) + (list(sinks) if lead else [])
     stopped_at = None
     with preemption.watch() as stop:
         try:
@@ -61,14 +61,14 @@ def run(step_fn: Callable, state: dict, frozen, get_batch: Callable[[int], dict]
                     print_fn(f"compiled and ran step {s + 1} in {now - t_last:.1f}s")
                     if phases is not None:
                         phases.mark("compile")
-                    history += _log(pending, now - t_last, num_steps, log_file, print_fn,
+                    history += _log(pending, now - t_last, num_steps, outputs, print_fn,
                                     quiet=not (last or stopping))
                     pending, t_last = [], now
                 elif (s + 1) % log_every == 0 or last or stopping:
                     host = jax.device_get([m for _, m in pending])  # the only sync point
                     now = time.perf_counter()
                     history += _log(list(zip([p for p, _ in pending], host)), now - t_last,
-                                    num_steps, log_file, print_fn)
+                                    num_steps, outputs, print_fn)
                     pending, t_last = [], now
                 if mngr is not None and ((save_every and (s + 1) % save_every == 0) or last
                                          or stopping):
@@ -88,16 +88,16 @@ def run(step_fn: Callable, state: dict, frozen, get_batch: Callable[[int], dict]
     return state, history
 
 
-def _log(items, seconds: float, total: int, log_file, print_fn, quiet: bool = False) -> list:
+def _log(items, seconds: float, total: int, outputs: list, print_fn, quiet: bool = False) -> list:
     items = [(s, {k: float(v) for k, v in jax.device_get(m).items()}) for s, m in items]
     if not items:
         return items
     step_s = seconds / len(items)
     tokens = sum(m["count"] for _, m in items)
     tok_s = tokens / max(seconds, 1e-9)
-    if log_file:
-        log_file.write([{"step": s, **m, "step_time_s": step_s, "tokens_per_s": tok_s}
-                        for s, m in items])
+    rows = [{"step": s, **m, "step_time_s": step_s, "tokens_per_s": tok_s} for s, m in items]
+    for out in outputs:
+        out.write(rows)
     if not quiet:
         step, m = items[-1]
         print_fn(progress_line(step, total, m, tok_s, step_s))
@@ -107,22 +107,6 @@ def _log(items, seconds: float, total: int, log_file, print_fn, quiet: bool = Fa
 
 def metrics_file(out_dir: str) -> str:
     return storage.join(out_dir, "metrics.jsonl")
-
-
-class _Fanout:
-    """The same rows to several sinks."""
-
-    def __init__(self, sinks: list):
-        self.sinks = sinks
-
-    def write(self, rows: list[dict]) -> None:
-        for sink in self.sinks:
-            sink.write(rows)
-
-    def close(self) -> None:
-        for sink in self.sinks:
-            if isinstance(sink, MetricsFile):  # the others belong to the caller
-                sink.close()
 
 
 class MetricsFile:
