@@ -127,6 +127,48 @@ def test_unsupported_architecture(small_gemma3, spm_tokenizer, tmp_path):
         jaxlm.load(str(tmp_path / "llama.gguf"))
 
 
+def test_lean_reader_equals_llama_cpp_reader(small_gemma3, tmp_path):
+    """jaxlm's reader gives the fields and tensor views llama.cpp's GGUFReader gives: every
+    metadata kind, and typed, byte-row and BF16 tensors, in both byte orders."""
+    from jaxlm.convert import gguf_file
+    for order in (gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG):
+        path = tmp_path / f"kinds_{order.name}.gguf"
+        w = gguf.GGUFWriter(str(path), "gemma3", endianess=order)
+        w.add_uint8("k.u8", 7)
+        w.add_int32("k.i32", -3)
+        w.add_uint64("k.u64", 2 ** 40)
+        w.add_float64("k.f64", 0.1)
+        w.add_bool("k.bool", True)
+        w.add_string("k.str", "héllo ▁")
+        w.add_array("k.ints", [1, 2, 3])
+        w.add_array("k.floats", [0.5, -1.25])
+        w.add_array("k.strs", ["a", "", "▁b"])
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((4, 64)).astype(np.float32)
+        w.add_tensor("f32", x)
+        w.add_tensor("f16", x.astype(np.float16))
+        for name, kind in (("q8", gguf.GGMLQuantizationType.Q8_0),
+                           ("bf16", gguf.GGMLQuantizationType.BF16)):
+            w.add_tensor(name, gguf.quants.quantize(x, kind), raw_dtype=kind)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        theirs, ours = gguf.GGUFReader(str(path)), gguf_file.read(str(path))
+        keys = [k for k in theirs.fields if not k.startswith("GGUF.")]
+        assert keys == list(ours.fields)
+        for k in keys:
+            a, b = theirs.fields[k].contents(), ours.fields[k]
+            assert (list(a) == list(b)) if isinstance(a, list) else a == b, k
+        assert ours.fields["k.str"] == "héllo ▁" and ours.fields["k.strs"] == ["a", "", "▁b"]
+        assert [t.name for t in theirs.tensors] == [t.name for t in ours.tensors]
+        for t, o in zip(theirs.tensors, ours.tensors):
+            assert t.tensor_type == o.tensor_type and t.data.shape == o.data.shape, t.name
+            np.testing.assert_array_equal(np.asarray(t.data), np.asarray(o.data))
+            np.testing.assert_array_equal(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type),
+                                          gguf.quants.dequantize(np.asarray(o.data), o.tensor_type))
+
+
 def test_truncated_file(small_gemma3, tmp_path):
     path, _, _ = small_gemma3
     data = path.read_bytes()
