@@ -1,10 +1,12 @@
 """What the real Gemma 3 270M LoRA step costs: interleaved A/Bs in one process, one CPU device.
 
-    python bench/real_step_ab.py [--what=mesh,loss,budget,layers] [--batch=8] [--seq=40]
-                                 [--rounds=3] [--tiny]
+    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate] [--batch=8]
+                                 [--seq=40] [--rounds=3] [--tiny]
 
   mesh    the demo's `--mesh=1x8` on 8 simulated devices vs one device (and the collectives
           of each compiled step)
+  generate  the demo's evaluation, greedy on its 40 held-out prompts with 12 new tokens, on
+          the 8 simulated devices vs one device
   loss    the chunked loss alone (value + d_hidden, the LoRA case) at 2^23..2^26 logits a chunk
   budget  the LoRA step with the old CPU chunk (2^23 logits) vs one device's default
           (`jaxlm.train.loss.cpu_budget`)
@@ -151,6 +153,18 @@ def main(argv=None) -> int:
                 g = jax.jit(jax.value_and_grad(f))
                 jax.block_until_ready(g(h))
                 runs[f"2^{exp}"] = lambda g=g: jax.block_until_ready(g(h))
+        elif what == "generate":
+            from jaxlm import data
+            from jaxlm.generate import generate
+            tok = jaxlm.load_tokenizer(source or "gemma_tiny")
+            prompts = [data.prompt(data.TEMPLATE, i) for i in data.builtin_dataset()[1].instructions[:40]]
+            longest = max(len(tok.encode(q)) for q in prompts)
+            for spec, mesh in (("1x8", sharding.make_mesh("1x8", jax.devices()[:8])), ("1x1", None)):
+                cfg = load(source)[0].config if source is None else jaxlm.load(source, abstract=True)[0].config
+                placement = sharding.placement(mesh, sharding.rules_for(cfg)) if mesh else None
+                model, params = load(source, placement)
+                runs[spec] = (lambda model=model, params=params, mesh=mesh: generate(
+                    model, params, tok, prompts, max_length=longest + 12, mesh=mesh))
         else:
             p.error(f"unknown --what={what}")
         for run in runs.values():  # warm up (a jitted step's second call may still compile)

@@ -140,6 +140,8 @@ def test_kill_9_or_sigterm_then_rerun_equals_uninterrupted(tmp_path):
     table = printed[printed.index("time: phase"):].splitlines()
     assert [l.split()[0] for l in table[1:]] == ["load", "eval", "compile", "train", "eval",
                                                    "export", "total"], table
+    peaks = [float(l.split()[-2]) for l in table[1:-1] if l.split()[0] != "eval"]
+    assert peaks == sorted(peaks) and 0.2 < peaks[-1] < 20, table  # GB, a high-water mark
     with open(os.path.join(straight, "metrics.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     loss = report.read_scalars(os.path.join(straight, "tensorboard"))["train/loss"]

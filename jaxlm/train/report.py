@@ -22,27 +22,38 @@ import time
 from jaxlm import storage
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (on CPU it includes the device buffers)."""
+    import resource
+    import sys
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
 class Phases:
-    """Wall-clock seconds of the consecutive phases of a run: `mark(name)` closes the phase that
-    began at the previous mark (or at creation) and names it. Marks are linear, so the phases
-    add up to the total by construction."""
+    """Wall-clock seconds of the consecutive phases of a run, and the process's peak memory at
+    the end of each: `mark(name)` closes the phase that began at the previous mark (or at
+    creation) and names it. Marks are linear, so the phases add up to the total by construction.
+    The peak is the high-water mark so far, so the phase where it rises is where memory went."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.peak: dict[str, int] = {}
         self.start = self.last = time.perf_counter()
 
     def mark(self, name: str) -> None:
         now = time.perf_counter()
         self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.peak[name] = peak_rss_bytes()
         self.last = now
 
     def table(self) -> str:
-        """One row per phase and the total, e.g. `time: load 12.3 s ... total 60.1 s`."""
+        """One row per phase and the total: seconds, share, and peak memory at its end (GB)."""
         total = self.last - self.start
         width = max([len(n) for n in self.seconds] + [5])
-        lines = [f"time: {'phase':<{width}}  seconds   share"]
-        lines += [f"      {n:<{width}}  {s:7.1f}  {s / max(total, 1e-9):6.1%}"
-                  for n, s in self.seconds.items()]
+        lines = [f"time: {'phase':<{width}}  seconds   share   peak memory"]
+        lines += [f"      {n:<{width}}  {s:7.1f}  {s / max(total, 1e-9):6.1%}  "
+                  f"{self.peak[n] / 1e9:8.2f} GB" for n, s in self.seconds.items()]
         lines.append(f"      {'total':<{width}}  {total:7.1f}")
         return "\n".join(lines)
 
