@@ -18,6 +18,7 @@ The numbers are the same computation; only the order of the sharded sums differs
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from jaxlm import data
 from jaxlm.generate import generate
@@ -27,6 +28,16 @@ def simulated(mesh) -> bool:
     """Whether `mesh` is several CPU devices of this one process (XLA's simulated host devices)."""
     return (mesh is not None and mesh.devices.size > 1 and jax.process_count() == 1
             and all(d.platform == "cpu" for d in mesh.devices.flat))
+
+
+def _on_one_device(x):
+    """A copy of sharded array `x` on this process's first device, assembled from its shards on
+    the host one array at a time. (`jax.device_put` of the whole tree went through each array's
+    cached host value, which then stayed: 2.0 GB more for Gemma 3 270M's 1.07 GB instead of 1.1.)"""
+    host = np.empty(x.shape, x.dtype)
+    for shard in x.addressable_shards:
+        host[shard.index] = np.asarray(shard.data)
+    return jax.device_put(host, jax.local_devices()[0]).block_until_ready()
 
 
 class Evaluator:
@@ -47,7 +58,7 @@ class Evaluator:
     def _run(self, model, params, adapters, prompts):
         longest = max(len(self.tokenizer.encode(p)) for p in prompts)
         if self.one_device:  # a copy for the call, freed when it returns
-            params, adapters = jax.device_put((params, adapters), jax.local_devices()[0])
+            params, adapters = jax.tree.map(_on_one_device, (params, adapters))
         return generate(model, params, self.tokenizer, prompts,
                         max_length=longest + self.max_new_tokens, strip_prompt=True,
                         adapters=adapters, mesh=self.mesh)
