@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxlm import data
+from jaxlm import data, machine
 from jaxlm.generate import generate
 
 
@@ -57,13 +57,21 @@ class Evaluator:
 
     def _run(self, model, params, adapters, prompts):
         longest = max(len(self.tokenizer.encode(p)) for p in prompts)
-        if self.one_device:  # a copy for the call, freed when it returns
-            params, adapters = jax.tree.map(_on_one_device, (params, adapters))
         return generate(model, params, self.tokenizer, prompts,
                         max_length=longest + self.max_new_tokens, strip_prompt=True,
                         adapters=adapters, mesh=self.mesh)
 
     def __call__(self, when: str, model, params, adapters=None) -> dict:
+        if not self.one_device:
+            return self._evaluate(when, model, params, adapters)
+        copy = jax.tree.map(_on_one_device, (params, adapters))  # freed when this returns
+        try:
+            return self._evaluate(when, model, *copy)
+        finally:
+            del copy
+            machine.return_freed_memory()
+
+    def _evaluate(self, when: str, model, params, adapters) -> dict:
         result = {}
         if self.sample_prompts:
             outs = self._run(model, params, adapters, self.sample_prompts)
