@@ -89,10 +89,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def split_dirs(data: str) -> tuple[str, str | None]:
     """(train dir, validation dir or None) from --data."""
-    train = shards.join(data, "train")
-    if shards.exists(train):
-        val = shards.join(data, "validation")
-        return train, val if shards.exists(val) else None
+    train = storage.join(data, "train")
+    if storage.exists(train):
+        val = storage.join(data, "validation")
+        return train, val if storage.exists(val) else None
     return data, None
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import re
 import sys
 from typing import Iterable, Iterator
@@ -36,64 +35,32 @@ from jaxlm import storage, tfrecord
 from jaxlm.errors import ArgumentParser, UserError, cli
 
 GROUP_LINES = 1000  # the blog's `map(batched=True, batch_size=1000)`
-SHARD_RE = re.compile(r"-\d+-(\d+)\.tfrecord$")  # the blog's run_mlm.count_samples
-
-
-# --- paths: local or fsspec ------------------------------------------------------------------
-
-def _is_url(path: str) -> bool:
-    return "://" in path
-
-
-def _fs(path: str):
-    import fsspec
-    try:
-        fs, _ = fsspec.core.url_to_fs(path)
-    except ImportError as e:
-        raise UserError(f"cannot open {path}: {e}") from None
-    return fs
-
-
-def open_path(path: str, mode: str = "rb"):
-    if not _is_url(path):
-        return open(path, mode)
-    return _fs(path).open(path, mode)
-
-
-def exists(path: str) -> bool:
-    return _fs(path).exists(path) if _is_url(path) else os.path.exists(path)
-
-
-def join(*parts: str) -> str:
-    return "/".join([parts[0].rstrip("/")] + [p.strip("/") for p in parts[1:]]) if _is_url(parts[0]) \
-        else os.path.join(*parts)
+# `dataset-{index}-{count}.tfrecord`: the record count in the name is what the blog's
+# run_mlm.count_samples reads; a `.tmp` suffix marks a shard still being written.
+SHARD_RE = re.compile(r"-(\d+)-(\d+)\.tfrecord(?:\.tmp)?$")
 
 
 def list_shards(directory: str) -> list[tuple[str, int]]:
-    """[(path, record count)] of the `*.tfrecord` files in `directory`, sorted by name."""
-    if _is_url(directory):
-        fs = _fs(directory)
-        protocol = directory.split("://", 1)[0]
-        names = [f"{protocol}://{p}" for p in fs.glob(join(directory, "*.tfrecord"))]
-    else:
-        if not os.path.isdir(directory):
-            raise UserError(f"shard folder {directory} does not exist")
-        names = [os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".tfrecord")]
+    """[(path, record count)] of the `*.tfrecord` files in `directory`, sorted by shard index."""
+    if not storage.isdir(directory):
+        raise UserError(f"shard folder {directory} does not exist")
+    names = [storage.join(directory, n) for n in storage.listdir(directory) if n.endswith(".tfrecord")]
     if not names:
         raise UserError(f"{directory} holds no .tfrecord shards; write some with `python -m jaxlm.shards`")
     out = []
-    for name in sorted(names, key=_shard_order):
+    for name in sorted(names, key=lambda n: (_shard_index(n), n)):
         m = SHARD_RE.search(name)
         if not m:
             raise UserError(f"{name} is not named dataset-{{i}}-{{count}}.tfrecord; the record count "
                             "must be in the name (as the blog writes it)")
-        out.append((name, int(m.group(1))))
+        out.append((name, int(m.group(2))))
     return out
 
 
-def _shard_order(name: str):
-    m = re.search(r"-(\d+)-\d+\.tfrecord$", name)
-    return (int(m.group(1)) if m else -1, name)
+def _shard_index(name: str) -> int:
+    """i of `dataset-{i}-{count}.tfrecord` (or of its `.tmp`), 0 for another name."""
+    m = SHARD_RE.search(name)
+    return int(m.group(1)) if m else 0
 
 
 # --- writing ---------------------------------------------------------------------------------
@@ -134,8 +101,8 @@ class ShardWriter:
         self.index, self.index_step = first_index, index_step  # writers sharing a folder interleave
         self.records = 0
         self.paths: list[str] = []
-        if not _is_url(directory):
-            os.makedirs(directory, exist_ok=True)
+        if not storage.is_url(directory):  # object stores have no folders to make
+            storage.makedirs(directory)
 
     def add(self, chunks: np.ndarray) -> None:
         self.pending.extend(chunks)
@@ -149,14 +116,15 @@ class ShardWriter:
             self.pending = []
 
     def _flush(self, rows: list[np.ndarray]) -> None:
-        path = join(self.directory, f"dataset-{self.index}-{len(rows)}.tfrecord")
-        target = path if _is_url(path) else path + ".tmp"  # local: atomic rename when complete
-        with open_path(target, "wb") as f:
+        path = storage.join(self.directory, f"dataset-{self.index}-{len(rows)}.tfrecord")
+        local = not storage.is_url(path)
+        target = path + ".tmp" if local else path  # local: atomic rename when complete
+        with storage.open_file(target, "wb") as f:
             for ids in rows:
                 tfrecord.write_record(f, tfrecord.encode_example(
                     {"input_ids": ids, "attention_mask": np.ones_like(ids)}))
-        if not _is_url(path):
-            os.replace(target, path)
+        if local:
+            storage.rename(target, path)
         self.paths.append(path)
         self.index += self.index_step
         self.records += len(rows)
@@ -183,11 +151,14 @@ def write_shards(tokenizer, lines: Iterable[str], out: str, *, max_length: int =
         raise UserError(f"--shard_size {shard_size} must be positive")
     if not 0 <= validation_fraction < 1:
         raise UserError(f"--validation_fraction {validation_fraction} must be in [0, 1)")
-    if _is_url(out):
-        _fs(out)  # a missing path library (gcsfs for gs://) fails before any tokenizing
-    writers = {"train": ShardWriter(join(out, "train"), shard_size, part, parts)}
+    if storage.is_url(out):  # a missing path library (gcsfs for gs://) fails before any tokenizing
+        try:
+            storage.exists(out)
+        except ImportError as e:
+            raise UserError(f"cannot open {out}: {e}") from None
+    writers = {"train": ShardWriter(storage.join(out, "train"), shard_size, part, parts)}
     if validation_fraction > 0:
-        writers["validation"] = ShardWriter(join(out, "validation"), shard_size, part, parts)
+        writers["validation"] = ShardWriter(storage.join(out, "validation"), shard_size, part, parts)
     for g, chunks in enumerate(chunk_groups(tokenizer, lines, max_length, group_lines)):
         writers["validation" if is_validation(g, validation_fraction) else "train"].add(chunks)
     for w in writers.values():
@@ -198,7 +169,7 @@ def write_shards(tokenizer, lines: Iterable[str], out: str, *, max_length: int =
 def read_shard(path: str, max_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """-> (input_ids, attention_mask), int32 [n, L]; L must equal `max_length` when given."""
     ids, masks = [], []
-    with open_path(path, "rb") as f:
+    with storage.open_file(path, "rb") as f:
         for record in tfrecord.read_records(f, path):
             ex = tfrecord.decode_example(record)
             if "input_ids" not in ex:
@@ -241,7 +212,7 @@ def input_lines(args) -> Iterator[str]:
         else:
             parts.append(read_lines([item]))
     for f in files:  # a missing file fails now, not after the corpora before it
-        if not exists(f):
+        if not storage.exists(f):
             raise UserError(f"input file {f} does not exist")
     return itertools.chain.from_iterable(parts)
 
@@ -254,7 +225,7 @@ def claim_out(out: str, overwrite: bool, part: int = 0, parts: int = 1) -> None:
     storage.check_output_folder(out, "--out")
     old = [storage.join(out, split, n) for split in ("train", "validation")
            for n in storage.listdir(storage.join(out, split))
-           if re.search(r"\.tfrecord(\.tmp)?$", n) and _shard_index(n) % parts == part]
+           if n.endswith((".tfrecord", ".tfrecord.tmp")) and _shard_index(n) % parts == part]
     if overwrite:
         for path in old:
             storage.remove_tree(path)
@@ -263,11 +234,6 @@ def claim_out(out: str, overwrite: bool, part: int = 0, parts: int = 1) -> None:
         what = f"{len(old)} shard(s) of an earlier run" if old else "other files"
         raise UserError(f"--out {out} already holds {what}; pass --overwrite to replace the shards, "
                         "or choose an empty folder")
-
-
-def _shard_index(name: str) -> int:
-    m = re.search(r"dataset-(\d+)-", name)
-    return int(m.group(1)) if m else 0
 
 
 @cli

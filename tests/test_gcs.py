@@ -140,3 +140,26 @@ def test_two_processes_write_one_checkpoint_to_the_bucket(gcs, tmp_path):
     assert sorted(c.rsplit("/", 1)[1] for c in chunks) == [".zarray", "0.0.0", "0.1.0"]
     assert fs.exists(f"{BUCKET}/two/adapters/lora.json")
     assert list(cwd.iterdir()) == []
+
+
+def test_mlm_shards_are_written_listed_and_read_in_the_bucket(gcs):
+    """The MLM shards go through jaxlm.storage like every other file: written, listed in index
+    order, read back and refused as an occupied --out, all in the emulator's bucket."""
+    import numpy as np
+    from jaxlm import shards
+    from jaxlm.errors import UserError
+    _, fs = gcs
+    out = f"gs://{BUCKET}/mlm_shards"
+    w = shards.ShardWriter(f"{out}/train", 1)
+    w.add(np.arange(12 * 8).reshape(12, 8))  # dataset-0..11: by name, 10 and 11 sort before 2
+    w.close()
+    files = shards.list_shards(f"{out}/train")
+    assert [p.rsplit("/", 1)[1] for p, _ in files] == [f"dataset-{i}-1.tfrecord" for i in range(12)]
+    fs.invalidate_cache()
+    assert len(fs.ls(f"{BUCKET}/mlm_shards/train")) == 12  # in the bucket itself
+    np.testing.assert_array_equal(shards.read_shard(files[11][0], 8)[0], np.arange(88, 96).reshape(1, 8))
+    with pytest.raises(UserError, match="already holds 12 shard"):
+        shards.claim_out(out, overwrite=False)
+    shards.claim_out(out, overwrite=True)
+    fs.invalidate_cache()
+    assert not fs.exists(f"{BUCKET}/mlm_shards/train/dataset-0-1.tfrecord")
