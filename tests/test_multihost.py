@@ -28,8 +28,8 @@ LM = ["--preset=gemma_tiny", "--mesh=1x8", "--lora_rank=4", "--steps=6", "--save
       "--log_every=2", "--num_samples=0", "--eval_examples=0"]
 
 
-def _run(cmd, timeout=240):
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def _run(cmd, timeout=240, env=None):
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     assert r.returncode == 0, f"{cmd}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout + r.stderr
 
@@ -58,7 +58,8 @@ def lm_runs(tmp_path_factory):
     """The same LoRA run on 2 hosts x 4 devices (via the launcher) and on 1 host x 8 devices."""
     root = tmp_path_factory.mktemp("lm")
     two, one = str(root / "two"), str(root / "one")
-    log = _run(LAUNCH + TRAIN + LM + [f"--out={two}"])
+    # 4 KiB gathers: the Hugging Face base export takes its row-block path on this tiny model
+    log = _run(LAUNCH + TRAIN + LM + [f"--out={two}"], env={**os.environ, "JAXLM_GATHER_BYTES": "4096"})
     _run(TRAIN + LM + [f"--out={one}"])
     return root, two, one, log
 
@@ -70,6 +71,11 @@ def test_lm_two_hosts_train_what_one_host_trains(lm_runs):
     assert a.keys() == b.keys() and a
     for k in a:  # Adam rescales tiny gradients, so summation-order noise reaches ~2e-6 here
         np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    from safetensors.numpy import load_file
+    ta, tb = (load_file(os.path.join(d, "base_hf", "model.safetensors")) for d in (two, one))
+    assert ta.keys() == tb.keys() and max(v.nbytes for v in ta.values()) > 4096
+    for k in ta:  # gathered from both hosts in row blocks: the same bytes
+        np.testing.assert_array_equal(ta[k], tb[k], err_msg=k)
     # Progress and the export report come from process 0 only; both processes ran.
     assert "[p0] exported to" in log and "[p1] exported" not in log
     assert "[p0] [####################] step 6/6" in log and "[p1] [#" not in log
