@@ -73,13 +73,18 @@ class Evaluator:
 
     def _evaluate(self, when: str, model, params, adapters) -> dict:
         result = {}
+        # The default samples are the first held-out prompts: their completions come from the
+        # exact-match batch (same batch, same max_length), one generate call instead of two.
+        shared = bool(self.eval_prompts) and set(self.sample_prompts) <= set(self.eval_prompts)
+        outs = self._run(model, params, adapters, self.eval_prompts) if self.eval_prompts else []
         if self.sample_prompts:
-            outs = self._run(model, params, adapters, self.sample_prompts)
-            for p, o in zip(self.sample_prompts, outs):
-                print(f"[{when}] {p!r} -> {o!r}")
-            result["samples"] = dict(zip(self.sample_prompts, outs))
+            samples = (dict(zip(self.eval_prompts, outs)) if shared else
+                       dict(zip(self.sample_prompts,
+                                self._run(model, params, adapters, self.sample_prompts))))
+            for p in self.sample_prompts:
+                print(f"[{when}] {p!r} -> {samples[p]!r}")
+            result["samples"] = {p: samples[p] for p in self.sample_prompts}
         if self.eval_prompts:
-            outs = self._run(model, params, adapters, self.eval_prompts)
             hits = sum(data.exact_match(o, ans) for o, ans in zip(outs, self.answers))
             result["exact_match"] = hits / len(self.answers)
             print(f"[{when}] exact match on {len(self.answers)} held-out examples: "
