@@ -147,11 +147,13 @@ def test_lora_alpha_is_evaluated_and_exported_as_trained(tmp_path):
     assert (adapters.rank, adapters.alpha) == (4, 16.0)
     model, base = jaxlm.load("gemma_tiny")
     tok = jaxlm.load_tokenizer("gemma_tiny")
-    prompts = list(after["samples"])
+    # the samples are the first held-out prompts, generated in the exact-match batch of 8
+    prompts = [data.prompt(data.TEMPLATE, i) for i in data.builtin_dataset()[1].instructions[:8]]
+    assert list(after["samples"]) == prompts[:2]
     longest = max(len(tok.encode(p)) for p in prompts)
     got = jaxlm.generate(model, base, tok, prompts, max_length=longest + 12, strip_prompt=True,
                          adapters=adapters)
-    assert got == [after["samples"][p] for p in prompts]
+    assert got[:2] == [after["samples"][p] for p in prompts[:2]]
     # The scale matters: alpha 16 is not the default alpha = rank, and the .lora.h5 (alpha
     # folded into B, as KerasHub reads it) merges to the same weights.
     ids = jnp.asarray(np.arange(2, 18, dtype=np.int32)[None])
