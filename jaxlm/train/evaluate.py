@@ -11,7 +11,7 @@ what was trained; exact match compares the completion's first line with the answ
 A mesh of simulated CPU devices (`--mesh=1x8` on a machine without an accelerator) is the
 exception: there the evaluation runs on one device. Under the seed's layout the activations are
 replicated over the model axis, so each simulated device repeats the attention and every
-elementwise op, on the same few cores: 40 greedy prompts of the demo's Gemma 3 270M took 57 s
+elementwise op, on the same few cores: 40 greedy prompts of the demo's Gemma 3 270M took 55 s
 on the 8 simulated devices and 8 s on one (`python bench/real_step_ab.py --what=generate`).
 The numbers are the same computation; only the order of the sharded sums differs.
 """
