@@ -78,11 +78,15 @@ def step_fn(state, frozen, batch):
 
 def get_batch(step):
     if step == 4:  # the checkpoint folder turns into a file under the running job
+        mngr.wait_until_finished()  # else step 2's finishing save may re-create the folder
         os.rename(ckpt, ckpt + ".moved")
         open(ckpt, "w").close()
 
+mngr = None
+
 @cli
 def main():
+    global mngr
     mngr = checkpoint.manager(ckpt, keep=2)
     loop.run(step_fn, {"step": jnp.int32(0), "w": jnp.ones(4)}, None, get_batch, num_steps=10,
              mngr=mngr, save_every=2, log_every=100)
