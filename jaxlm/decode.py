@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlm import sampling
 from jaxlm.errors import UserError
+from jaxlm.tree import place
 from models import kernels
 
 Stream = Callable[[int, np.ndarray], None]
@@ -113,8 +114,8 @@ def generate_ids(model, params, token_ids, lengths, max_length: int, sampler="gr
                             "generate on one host")
         data = NamedSharding(mesh, P("batch"))
         rep = NamedSharding(mesh, P())
-        args = (_place(prompt, data), _place(rows, data), _place(args[2], rep),
-                _place(seeds, data if per_row else rep), _place(stops, rep))
+        args = (place(prompt, data), place(rows, data), place(args[2], rep),
+                place(seeds, data if per_row else rep), place(stops, rep))
 
     fn = _compiled(model, sampler, bb, plen, total, stream is not None, mesh, per_row)
     with _streaming(stream, b):
@@ -136,12 +137,6 @@ def _seeds(seed, rows: int) -> np.ndarray:
         raise UserError(f"seeds must fit in int32, [-2**31, 2**31); got {seed!r}")
     out = np.asarray([int(v) for v in values], np.int32)
     return out[0] if single else out
-
-
-def _place(x: np.ndarray, sharding):
-    """The same host array on every process -> a global array (each process supplies the
-    shards its devices hold), so a mesh may span several processes."""
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 class _StreamSlot:  # not thread-local: XLA runs the host callback on its own thread

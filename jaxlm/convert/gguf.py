@@ -141,15 +141,12 @@ DEQUANT_ROWS = 16384
 def _dequantise(t, layout):
     import gguf
     try:
-        data = t.data
-        if data.ndim < 2 or len(data) <= DEQUANT_ROWS:
-            w = gguf.quants.dequantize(data, t.tensor_type).astype(np.float32)
+        if t.data.ndim < 2:  # a vector (its data may be bytes): whole
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         else:
-            first = gguf.quants.dequantize(data[:DEQUANT_ROWS], t.tensor_type)
-            w = np.empty((len(data),) + first.shape[1:], np.float32)
-            w[:DEQUANT_ROWS] = first
-            for r in range(DEQUANT_ROWS, len(data), DEQUANT_ROWS):
-                w[r:r + DEQUANT_ROWS] = gguf.quants.dequantize(data[r:r + DEQUANT_ROWS], t.tensor_type)
+            w = np.empty(t.shape, np.float32)  # the numpy shape (jaxlm.convert.gguf_file)
+            for r in range(0, len(w), DEQUANT_ROWS):
+                w[r:r + DEQUANT_ROWS] = gguf.quants.dequantize(t.data[r:r + DEQUANT_ROWS], t.tensor_type)
     except Exception as e:
         raise UserError(f"cannot read tensor {t.name} ({t.tensor_type.name}): {e}; "
                         "the file is truncated or uses an unsupported quantisation") from None

@@ -172,10 +172,9 @@ def _host_array(x) -> np.ndarray:
     if not (isinstance(x, jax.Array) and not x.is_fully_addressable):
         return np.asarray(jax.device_get(x))
     from jax.experimental import multihost_utils
-    row = x.nbytes // max(1, x.shape[0]) if x.ndim else x.nbytes
-    step = max(1, GATHER_BYTES // max(1, row))
-    if x.ndim == 0 or step >= x.shape[0]:
+    if x.ndim == 0 or x.nbytes <= GATHER_BYTES:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    step = max(1, GATHER_BYTES // (x.nbytes // x.shape[0]))
     out = np.empty(x.shape, x.dtype)
     for r in range(0, x.shape[0], step):
         out[r:r + step] = np.asarray(multihost_utils.process_allgather(x[r:r + step], tiled=True))
