@@ -6,7 +6,7 @@ bench measurement that justifies it, and each is checked against the plain math 
 tests/test_kernels.py. On TPU and GPU the plain math runs.
 
 How the platform is chosen:
-  * Training (`gated_ffn`) goes through `by_platform`, i.e. `jax.lax.platform_dependent`: both
+  * Training (`gated_ffn`, and the loss's `tied_logits`) goes through `by_platform`, i.e. `jax.lax.platform_dependent`: both
     versions are traced and the one for the platform the program is *lowered* for is kept,
     so a step compiled on a CPU host for a TPU slice (`jaxlm.train.aot`) gets the plain math.
   * Decoding (`decode_steps`) needs some kernels in another layout, built once before the
@@ -36,6 +36,65 @@ def by_platform(*args, cpu, plain):
     CPU version's ops are named `cpu_kernel/<its name>` (in profiles and lowered text)."""
     return jax.lax.platform_dependent(
         *args, cpu=jax.named_scope(f"cpu_kernel/{cpu.__name__}")(cpu), default=plain)
+
+
+# --- Training: narrow weights a slice at a time ----------------------------------------------
+
+# XLA:CPU widens a bfloat16 weight to float32 for most products, and hoists the widened copy
+# of a whole weight out of loops and shares it between the forward and backward passes, so it
+# lives for the whole step (Gemma 2B: 54 x 128 MiB for the FFN kernels, 3 x 1.95 GiB for the
+# tied embedding). A narrow weight is therefore multiplied a slice at a time, inside a loop;
+# a widened slice of at most this many bytes lives for one product.
+SLICE_BYTES = 32 << 20
+
+
+def slices(rows: int, cols: int, dtype) -> int:
+    """How many slices of `cols` a [rows, cols] weight is multiplied in: 1 for float32; else
+    the fewest that divide `cols` and keep a float32 [rows, cols / n] within SLICE_BYTES."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return 1
+    n = max(1, -(-4 * rows * cols // SLICE_BYTES))
+    while cols % n:
+        n += 1
+    return n
+
+
+def _bits_slice(w, i, size: int, axis: int):
+    """Slice i (`size` long on `axis`) of w, inside a loop over the slices.
+
+    It is cut from w's bits: XLA:CPU has no bfloat16 dynamic-slice, and widens the whole of w
+    to float32 for one (then hoists that copy out of the loop and keeps it). The barrier makes
+    w depend on the loop index, so the bitcast is not hoisted either (that would copy all of
+    w); fused with the slice, it reads one slice.
+    """
+    w, i = jax.lax.optimization_barrier((w, i))
+    bits = jax.lax.bitcast_convert_type(w, jnp.uint16)
+    return jax.lax.bitcast_convert_type(jax.lax.dynamic_slice_in_dim(bits, i * size, size, axis), w.dtype)
+
+
+# --- Training: the tied embedding's logits ---------------------------------------------------
+
+def tied_logits(h, emb):
+    """h [N, H] @ emb [V, H]^T -> float32 logits [N, V], computed in h's dtype (as the model's
+    `Embedding.attend`); on CPU a narrow table goes a slice of V at a time (`slices`)."""
+    return by_platform(h, emb, cpu=_cpu_tied_logits, plain=_tied_logits)
+
+
+def _tied_logits(h, emb):
+    return jnp.einsum("NH,VH->NV", h, emb).astype(jnp.float32)
+
+
+def _cpu_tied_logits(h, emb):
+    v, n = emb.shape[0], slices(emb.shape[1], emb.shape[0], emb.dtype)
+    if n == 1:
+        return _tied_logits(h, emb)
+    size = v // n
+
+    def body(logits, i):
+        part = jnp.dot(h, _bits_slice(emb, i, size, 0).T, preferred_element_type=jnp.float32)
+        part = part.astype(h.dtype).astype(jnp.float32)
+        return jax.lax.dynamic_update_slice_in_dim(logits, part, i * size, 1), None
+    return jax.lax.scan(body, jnp.zeros((h.shape[0], v), jnp.float32), jnp.arange(n))[0]
 
 
 # --- Training: the GeGLU FFN with a written-out backward -------------------------------------
@@ -69,8 +128,32 @@ def _cpu_gated_ffn(x, w_gate, w_up, w_down):
     [H, N] @ [N, F] product, so only [N, H]-sized arrays are ever transposed. When none of the
     three kernels is differentiated (a LoRA step that leaves the FFN frozen) the backward
     computes the input gradient only, as autodiff would.
+
+    Narrow kernels go a slice of F at a time (`slices`), forward and backward; the slices'
+    products are summed in float32.
     """
-    return layers.gated_ffn(x, w_gate, w_up, w_down)
+    return _ffn_forward(x, w_gate, w_up, w_down)[0]
+
+
+def _ffn_slices(w_gate, w_up, w_down, i, n):
+    f = w_down.shape[0] // n
+    return _bits_slice(w_gate, i, f, 1), _bits_slice(w_up, i, f, 1), _bits_slice(w_down, i, f, 0)
+
+
+def _ffn_forward(x, w_gate, w_up, w_down):
+    """-> (out [N, H], (gate, up) [n, N, F / n]) over the kernels' n slices."""
+    n = slices(*w_gate.shape, w_gate.dtype)
+    if n == 1:
+        gate, up = x @ w_gate, x @ w_up
+        return layers.geglu(gate, up) @ w_down, (gate[None], up[None])
+
+    def body(out, i):
+        wg, wu, wd = _ffn_slices(w_gate, w_up, w_down, i, n)
+        gate, up = x @ wg, x @ wu
+        out = out + jnp.dot(layers.geglu(gate, up), wd, preferred_element_type=jnp.float32)
+        return out, (gate, up)
+    out, gate_up = jax.lax.scan(body, jnp.zeros(x.shape, jnp.float32), jnp.arange(n))
+    return out.astype(x.dtype), gate_up
 
 
 def _cpu_gated_ffn_fwd(x, w_gate, w_up, w_down):
@@ -78,24 +161,43 @@ def _cpu_gated_ffn_fwd(x, w_gate, w_up, w_down):
     The residual x is None when no kernel needs a gradient."""
     trained = w_gate.perturbed or w_up.perturbed or w_down.perturbed
     x, w_gate, w_up, w_down = x.value, w_gate.value, w_up.value, w_down.value
-    gate, up = x @ w_gate, x @ w_up
-    return layers.geglu(gate, up) @ w_down, (x if trained else None, w_gate, w_up, w_down, gate, up)
+    out, (gate, up) = _ffn_forward(x, w_gate, w_up, w_down)
+    return out, (x if trained else None, w_gate, w_up, w_down, gate, up)
 
 
-def _cpu_gated_ffn_bwd(residuals, d_out):
-    x, w_gate, w_up, w_down, gate, up = residuals
+def _ffn_slice_backward(x, w_gate, w_up, w_down, gate, up, d_out):
+    """One slice's float32 d_x and, given x, its kernels' gradients (else None)."""
     a, c = math.sqrt(2.0 / math.pi), 0.044715
     t = jnp.tanh(a * (gate + c * gate ** 3))
     gelu = 0.5 * gate * (1 + t)
     d_gelu = 0.5 * (1 + t) + 0.5 * gate * (1 - t * t) * a * (1 + 3 * c * gate * gate)
     d_hidden = d_out @ w_down.T
     d_gate, d_up = d_hidden * up * d_gelu, d_hidden * gelu
+    d_x = (jnp.dot(d_gate, w_gate.T, preferred_element_type=jnp.float32)
+           + jnp.dot(d_up, w_up.T, preferred_element_type=jnp.float32))
     if x is None:
-        return d_gate @ w_gate.T + d_up @ w_up.T, None, None, None
+        return d_x, None
     x_t = x.T
-    d_w_down = (d_out.T @ (gelu * up)).T
-    d_x = d_gate @ w_gate.T + d_up @ w_up.T
-    return d_x, x_t @ d_gate, x_t @ d_up, d_w_down
+    return d_x, (x_t @ d_gate, x_t @ d_up, (d_out.T @ (gelu * up)).T)
+
+
+def _cpu_gated_ffn_bwd(residuals, d_out):
+    x, w_gate, w_up, w_down, gate, up = residuals
+    n = gate.shape[0]
+    if n == 1:
+        d_x, grads = _ffn_slice_backward(x, w_gate, w_up, w_down, gate[0], up[0], d_out)
+        return (d_x.astype(d_out.dtype), *(grads or (None,) * 3))
+
+    def body(d_x, xs):
+        i, g, u = xs
+        d, grads = _ffn_slice_backward(x, *_ffn_slices(w_gate, w_up, w_down, i, n), g, u, d_out)
+        return d_x + d, grads
+    d_x, grads = jax.lax.scan(body, jnp.zeros(d_out.shape, jnp.float32), (jnp.arange(n), gate, up))
+    if grads is None:
+        return d_x.astype(d_out.dtype), None, None, None
+    d_gate, d_up, d_down = grads  # [n, H, F / n], [n, H, F / n], [n, F / n, H]
+    join = lambda g: jnp.moveaxis(g, 0, 1).reshape(g.shape[1], -1)  # noqa: E731
+    return d_x.astype(d_out.dtype), join(d_gate), join(d_up), d_down.reshape(-1, d_out.shape[1])
 
 
 _cpu_gated_ffn.defvjp(_cpu_gated_ffn_fwd, _cpu_gated_ffn_bwd, symbolic_zeros=True)

@@ -39,6 +39,65 @@ def test_frozen_ffn_kernels_get_no_gradient_work():
                                jax.grad(loss(layers.gated_ffn))(x, *ws), rtol=1e-5, atol=1e-5)
 
 
+def _narrow(*shapes, seed=0):
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    return [(jax.random.normal(k, s) * 0.5).astype(jnp.bfloat16) for k, s in zip(keys, shapes)]
+
+
+def test_narrow_ffn_kernels_go_a_slice_at_a_time_with_the_same_values_and_gradients(monkeypatch):
+    """bfloat16 kernels split in F (4 slices here) give the whole-kernel products' values and
+    gradients, for the input alone (LoRA) and for input and kernels (full fine-tune)."""
+    x, w_gate, w_up, w_down, d_out = _narrow((24, 16), (16, 64), (16, 64), (64, 16), (24, 16))
+    monkeypatch.setattr(kernels, "SLICE_BYTES", 4 * 16 * 16)
+    assert kernels.slices(16, 64, jnp.bfloat16) == 4 and kernels.slices(16, 64, jnp.float32) == 1
+    ws = (w_gate, w_up, w_down)
+    wide = [a.astype(jnp.float32) for a in (x, *ws, d_out)]
+    ours, vjp = jax.vjp(kernels._cpu_gated_ffn, x, *ws)
+    reference, reference_vjp = jax.vjp(layers.gated_ffn, *wide[:4])
+    def close(a, b):  # bfloat16 rounding, on the scale of the array
+        np.testing.assert_allclose(np.float32(a), b, rtol=0, atol=0.02 * float(np.abs(b).max()))
+    close(ours, reference)
+    assert ours.dtype == jnp.bfloat16
+    for a, b in zip(vjp(d_out), reference_vjp(wide[4])):
+        assert a.shape == b.shape
+        close(a, b)
+    d_x = jax.grad(lambda x: kernels._cpu_gated_ffn(x, *ws).astype(jnp.float32).sum())(x)
+    close(d_x, jax.grad(lambda x: layers.gated_ffn(x, *wide[1:4]).sum())(wide[0]))
+
+
+def test_a_narrow_tied_table_goes_a_slice_of_the_vocabulary_at_a_time(monkeypatch):
+    h, emb = _narrow((6, 16), (40, 16))
+    monkeypatch.setattr(kernels, "SLICE_BYTES", 4 * 16 * 10)
+    assert kernels.slices(16, 40, jnp.bfloat16) == 4
+    ours = kernels._cpu_tied_logits(h, emb)
+    assert ours.dtype == jnp.float32 and ours.shape == (6, 40)
+    reference = kernels._tied_logits(h, emb)
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=0.01 * float(np.abs(reference).max()))
+
+
+def _temp_bytes(fn, *args):
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_no_widened_copy_of_a_narrow_weight_outlives_its_slice(monkeypatch):
+    """What the slicing is for: XLA:CPU's compiled LoRA-style FFN gradient and tied logits of
+    bfloat16 weights hold no float32 copy of a whole weight (each 4 MiB here), only slices."""
+    h, f, v = 256, 4096, 4096
+    x, w_gate, w_up, w_down, emb = _narrow((64, h), (h, f), (h, f), (f, h), (v, h))
+    whole = 4 * h * f
+    monkeypatch.setattr(kernels, "SLICE_BYTES", whole // 8)
+    ffn_grad = jax.grad(lambda x, *ws: kernels._cpu_gated_ffn(x, *ws).astype(jnp.float32).sum())
+    assert _temp_bytes(ffn_grad, x, w_gate, w_up, w_down) < whole
+    assert _temp_bytes(kernels._cpu_tied_logits, x, emb) < whole // 2 + 4 * 64 * v
+
+
+@pytest.mark.parametrize("platform, cpu_kernel", [("cpu", True), ("tpu", False)])
+def test_the_tied_logits_kernel_is_chosen_by_the_platform_lowered_for(platform, cpu_kernel):
+    h, emb = _narrow((4, 16), (40, 16))
+    lowered = jax.jit(kernels.tied_logits).trace(h, emb).lower(lowering_platforms=(platform,))
+    assert ("cpu_kernel/_cpu_tied_logits" in lowered.as_text(debug_info=True)) == cpu_kernel
+
+
 def _loss_grad(model, ids):
     def loss(p):
         return model.apply({"params": p}, ids).astype(jnp.float32).sum()

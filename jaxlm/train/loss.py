@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
+from models import kernels
+
 
 Metrics = dict  # {"loss_sum", "correct", "count"}: float32 scalars, summed over tokens
 
@@ -100,7 +102,8 @@ def chunked_cross_entropy(hidden, embeddings, targets, weights, *, chunk_size: i
 
 def _chunk_logits(h_c, emb, cap):
     """-> (float32 logits [B, C, V] after the cap, tanh(logits / cap) or None)."""
-    logits = jnp.einsum("BCH,VH->BCV", h_c, emb).astype(jnp.float32)
+    b, c, h = h_c.shape
+    logits = kernels.tied_logits(h_c.reshape(b * c, h), emb).reshape(b, c, -1)
     if cap is None:
         return logits, None
     th = jnp.tanh(logits / cap)
@@ -163,7 +166,8 @@ def _fused_ce_fwd(h, emb, y, w, cap):
         if th is not None:
             d = d * (1.0 - th * th)
         d = d.astype(h_c.dtype)
-        d_h = jnp.einsum("BCV,VH->BCH", d, emb)
+        # float32 out: XLA:CPU then multiplies a bfloat16 table in place, not a widened copy
+        d_h = jnp.einsum("BCV,VH->BCH", d, emb, preferred_element_type=jnp.float32).astype(d.dtype)
         if train_emb:
             d_emb = d_emb + jnp.einsum("BCH,BCV->HV", h_c, d, preferred_element_type=jnp.float32)
         return (loss + ce, hits + hit, d_emb), d_h
