@@ -6,9 +6,10 @@ bench measurement that justifies it, and each is checked against the plain math 
 tests/test_kernels.py. On TPU and GPU the plain math runs.
 
 How the platform is chosen:
-  * Training (`gated_ffn`, and the loss's `tied_logits`) goes through `by_platform`, i.e. `jax.lax.platform_dependent`: both
-    versions are traced and the one for the platform the program is *lowered* for is kept,
-    so a step compiled on a CPU host for a TPU slice (`jaxlm.train.aot`) gets the plain math.
+  * Training (`gated_ffn`, and the loss's `tied_logits`) goes through `by_platform`, i.e.
+    `jax.lax.platform_dependent`: both versions are traced and the one for the platform the
+    program is *lowered* for is kept, so a step compiled on a CPU host for a TPU slice
+    (`jaxlm.train.aot`) gets the plain math.
   * Decoding (`decode_steps`) needs some kernels in another layout, built once before the
     decode loop: state the decoder owns. `jaxlm.decode` knows the devices it compiles for and
     traces its model calls inside `decode_steps(platform)`, which on CPU swaps the decode
@@ -44,7 +45,10 @@ def by_platform(*args, cpu, plain):
 # of a whole weight out of loops and shares it between the forward and backward passes, so it
 # lives for the whole step (Gemma 2B: 54 x 128 MiB for the FFN kernels, 3 x 1.95 GiB for the
 # tied embedding). A narrow weight is therefore multiplied a slice at a time, inside a loop;
-# a widened slice of at most this many bytes lives for one product.
+# a widened slice of at most this many bytes lives for one product. Justified by `python
+# bench/memory.py --platform=cpu --dtype=bfloat16`'s `BENCH memory_cpu_gemma_2b_en_lora_unrolled`
+# line (temp_gib 13.56 -> 1.70; the whole 2B LoRA step 16.5 -> 7.6 GiB peak RSS, 2026-12-01,
+# bench/README.md). Float32 weights take one slice: the products as before.
 SLICE_BYTES = 32 << 20
 
 
@@ -68,8 +72,8 @@ def _bits_slice(w, i, size: int, axis: int):
     w); fused with the slice, it reads one slice.
     """
     w, i = jax.lax.optimization_barrier((w, i))
-    bits = jax.lax.bitcast_convert_type(w, jnp.uint16)
-    return jax.lax.bitcast_convert_type(jax.lax.dynamic_slice_in_dim(bits, i * size, size, axis), w.dtype)
+    bits = jax.lax.dynamic_slice_in_dim(jax.lax.bitcast_convert_type(w, jnp.uint16), i * size, size, axis)
+    return jax.lax.bitcast_convert_type(bits, w.dtype)
 
 
 # --- Training: the tied embedding's logits ---------------------------------------------------
