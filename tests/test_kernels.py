@@ -91,6 +91,36 @@ def test_no_widened_copy_of_a_narrow_weight_outlives_its_slice(monkeypatch):
     assert _temp_bytes(kernels._cpu_tied_logits, x, emb) < whole // 2 + 4 * 64 * v
 
 
+def test_a_bfloat16_lora_step_is_the_same_sliced_or_whole(monkeypatch):
+    """The slices in a whole model: a bfloat16 Gemma's LoRA loss and adapter gradients (the FFN
+    and the tied logits sliced, frozen base, symbolic zeros) equal those with one slice."""
+    from jaxlm import lora
+    from jaxlm.train.loss import lm_loss_fn
+    cfg = TINY.replace(num_layers=2, scan_layers=False, dtype="bfloat16")
+    model = Gemma(cfg)
+    ids = jax.random.randint(jax.random.key(1), (2, 9), 0, cfg.vocab_size)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16),
+                          model.init(jax.random.key(0), ids[:, :-1])["params"])
+    adapters = lora.init(params, 4, key=jax.random.key(2))
+    adapters = jax.tree.map(lambda a: a + 0.1, adapters)  # B starts at zero: make it count
+    batch = {"token_ids": ids, "padding_mask": jnp.ones_like(ids, bool)}
+    loss = lm_loss_fn(model)
+
+    def value_and_grad():  # traced afresh: the slice count is read while tracing
+        f = lambda a: loss(lora.merge(params, a), batch, None)[0].astype(jnp.float32)  # noqa: E731
+        return jax.jit(jax.value_and_grad(f))(adapters)
+    whole = value_and_grad()
+    monkeypatch.setattr(kernels, "SLICE_BYTES", cfg.hidden_dim * cfg.ffw_dim)  # 4 FFN slices
+    assert kernels.slices(cfg.hidden_dim, cfg.ffw_dim, jnp.bfloat16) == 4
+    assert kernels.slices(cfg.hidden_dim, cfg.vocab_size, jnp.bfloat16) > 1
+    sliced = value_and_grad()
+    np.testing.assert_allclose(sliced[0], whole[0], rtol=1e-2)
+    for a, b in zip(jax.tree.leaves(sliced[1]), jax.tree.leaves(whole[1])):
+        scale = float(np.abs(np.float32(b)).max())
+        assert scale > 0
+        np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=0, atol=0.05 * scale)
+
+
 @pytest.mark.parametrize("platform, cpu_kernel", [("cpu", True), ("tpu", False)])
 def test_the_tied_logits_kernel_is_chosen_by_the_platform_lowered_for(platform, cpu_kernel):
     h, emb = _narrow((4, 16), (40, 16))
