@@ -215,11 +215,15 @@ def test_export_writes_every_adapter_format(tmp_path, capsys):
     assert "peft.PeftModel.from_pretrained(model, " in out and "no adapters.lora.h5" not in out
 
 
-def test_lora_trains_unrolled_layers_on_cpu_only():
-    """XLA:CPU's layer scan copies every frozen block weight each step; LoRA on CPU trains the
-    layers unrolled, elsewhere (and at full fine-tuning) the scan stays."""
+def test_lora_and_bfloat16_train_unrolled_layers_on_cpu_only():
+    """XLA:CPU's layer scan copies every frozen block weight each step and widens bfloat16
+    stacks whole; LoRA or bfloat16 on CPU trains the layers unrolled, elsewhere (and at a
+    float32 full fine-tune) the scan stays."""
     model = Gemma(CFG)
     assert not T.training_model(model, lora=True, platform="cpu").config.scan_layers
     assert T.training_model(model, lora=True, platform="tpu").config.scan_layers
     assert T.training_model(model, lora=False, platform="cpu").config.scan_layers
+    narrow = Gemma(CFG.replace(dtype="bfloat16"))
+    assert not T.training_model(narrow, lora=False, platform="cpu").config.scan_layers
+    assert T.training_model(narrow, lora=False, platform="tpu").config.scan_layers
     assert T.training_model(model, lora=True, platform="gpu", remat=True).config.remat
