@@ -164,3 +164,13 @@ def test_cpu_chunks_of_a_large_vocabulary_hold_half_the_hidden_width_in_tokens()
     assert L.cpu_budget(32_000, 512) == L.CHUNK_LOGITS["cpu"]
     assert L.cpu_budget(v, h, devices=8) == (h // 2) * v // 8 < L.cpu_budget(v, h)
     assert L.cpu_budget(4096, 16, devices=8) == L.CHUNK_LOGITS["cpu"]  # never below the floor
+
+
+def test_cpu_chunks_split_between_every_device_of_the_run(monkeypatch):
+    """One of 2 processes x 4 devices (jaxlm.launch on one machine) takes the blocks the single
+    process of 8 devices takes, not twice them: its devices share the machine with the other's."""
+    v, h = 262_144, 640
+    one_process = L.chunk_length(8, 40, v, hidden=h)
+    assert one_process == L.chunk_length(8, 40, v, L.cpu_budget(v, h, devices=jax.device_count()))
+    monkeypatch.setattr(jax, "local_device_count", lambda *a, **k: jax.device_count() // 2)
+    assert L.chunk_length(8, 40, v, hidden=h) == one_process == 5

@@ -66,7 +66,10 @@ def chunk_length(batch: int, length: int, vocab: int, budget: int | None = None,
         platform = jax.default_backend()
         budget = CHUNK_LOGITS.get(platform, CHUNK_LOGITS["gpu"])
         if platform == "cpu" and hidden is not None:
-            budget = cpu_budget(vocab, hidden, jax.local_device_count())
+            # Every device of a CPU run, not this process's: a multi-process CPU run is local
+            # processes on one machine (jaxlm.launch), whose devices share its memory. Split by
+            # the local count, 2 processes x 4 devices took twice the single process's blocks.
+            budget = cpu_budget(vocab, hidden, jax.device_count())
     most = max(1, min(length, budget // max(1, batch * vocab)))
     return -(-length // -(-length // most))
 
