@@ -327,7 +327,7 @@ def main(argv=None) -> int:
     frameworks = args.frameworks.split(",")
     isolated = set(args.isolate.split(",")) - {""}
     # In-process modes first (LoRA's wrappers are one-way), then those run one framework per process.
-    modes = sorted(args.modes.split(","), key=lambda m: (m in isolated, ["full", "lora"].index(m)))
+    modes = sorted(set(args.modes.split(",")) - {""}, key=lambda m: (m in isolated, ["full", "lora"].index(m)))
 
     with tempfile.TemporaryDirectory() as workdir:
         src = prepare(args.tiny, workdir)

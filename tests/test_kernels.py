@@ -212,7 +212,9 @@ def test_init_on_a_single_token_builds_no_step_layout():
     assert set(variables) == {"params"}
 
 
-def test_the_step_layout_is_built_for_small_models_on_cpu_only():
-    assert kernels.step_layout_pays("cpu", kernels.STEP_LAYOUT_MAX_BYTES)
-    assert not kernels.step_layout_pays("cpu", kernels.STEP_LAYOUT_MAX_BYTES + 1)
-    assert not kernels.step_layout_pays("tpu", 1) and not kernels.step_layout_pays("gpu", 1)
+def test_the_step_layout_is_built_for_small_models_and_batches_on_cpu_only():
+    most, rows = kernels.STEP_LAYOUT_MAX_BYTES, kernels.STEP_LAYOUT_MAX_ROWS
+    assert kernels.step_layout_pays("cpu", most, rows) and kernels.step_layout_pays("cpu", 1, 4)
+    assert not kernels.step_layout_pays("cpu", most + 1, 4)
+    assert not kernels.step_layout_pays("cpu", 1, rows + 1)  # the demo's 40-prompt evaluation
+    assert not kernels.step_layout_pays("tpu", 1, 4) and not kernels.step_layout_pays("gpu", 1, 4)
