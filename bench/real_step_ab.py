@@ -1,7 +1,8 @@
 """What the real Gemma 3 270M LoRA step costs: interleaved A/Bs in one process, one CPU device.
 
-    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate] [--batch=8]
-                                 [--seq=40] [--rounds=3] [--tiny]
+    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,layout] [--batch=8]
+                                 [--seq=40] [--rounds=3] [--decode_batches=4,8,16,40]
+                                 [--new_tokens=48] [--tiny]
 
   mesh    the demo's `--mesh=1x8` on 8 simulated devices vs one device (and the collectives
           of each compiled step)
@@ -12,6 +13,8 @@
           (`jaxlm.train.loss.cpu_budget`)
   layers  the LoRA step with the layer scan vs unrolled layers (and each one's compile time
           and XLA temporaries)
+  layout  greedy decoding, one device, with vs without the CPU decode step layout, at each of
+          --decode_batches (default 4,8,16,40) with --new_tokens (48) after 32-token prompts
 
 Float32, LoRA rank 4, AdamW (the trainer's optimizer), random tokens, the demo's batch 8 x 40
 by default. Each variant is compiled first; then they take turns, 3 steps a turn with the
@@ -83,6 +86,26 @@ def lora_step(model, params, mesh, batch_size: int, seq: int, chunk_logits=None)
     return [compiled, built.state, built.frozen, batch], info
 
 
+def layout_runs(model, params, batches: str, new_tokens: int) -> dict:
+    """{b<B>_on|off: greedy decode of B random 32-token prompts} with and without the CPU step
+    layout, whatever `models.kernels.STEP_LAYOUT_MAX_ROWS` says; a switch recompiles, and the
+    turn's first call (dropped) takes it."""
+    from jaxlm import decode
+    from models import kernels
+    ids = np.random.RandomState(1).randint(3, model.config.vocab_size, (64, 32)).astype(np.int32)
+    current = [None]
+
+    def variant(rows_cap, b):
+        def run():
+            if current[0] != (rows_cap, b):
+                kernels.STEP_LAYOUT_MAX_ROWS, current[0] = rows_cap, (rows_cap, b)
+                decode.clear_cache()
+            decode.generate_ids(model, params, ids[:b], np.full(b, 32, np.int32), 32 + new_tokens)
+        return run
+    return {f"b{b}_{name}": variant(cap, b) for b in map(int, batches.split(","))
+            for name, cap in (("on", 1 << 30), ("off", 0))}
+
+
 def take_turns(runs: dict, rounds: int) -> dict:
     """{name: run() -> None} -> {name: [seconds]}: 3 calls a turn, the first dropped."""
     times = {k: [] for k in runs}
@@ -118,6 +141,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--decode_batches", default="4,8,16,40", help="--what=layout's batches")
+    p.add_argument("--new_tokens", type=int, default=48, help="--what=layout's new tokens")
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args(argv)
     source = model_source(args.tiny)
@@ -165,6 +190,8 @@ def main(argv=None) -> int:
                 model, params = load(source, placement)
                 runs[spec] = (lambda model=model, params=params, mesh=mesh: generate(
                     model, params, tok, prompts, max_length=longest + 12, mesh=mesh))
+        elif what == "layout":
+            runs = layout_runs(*load(source), args.decode_batches, args.new_tokens)
         else:
             p.error(f"unknown --what={what}")
         for run in runs.values():  # warm up (a jitted step's second call may still compile)
