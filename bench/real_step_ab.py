@@ -1,6 +1,6 @@
 """What the real Gemma 3 270M LoRA step costs: interleaved A/Bs in one process, one CPU device.
 
-    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,layout] [--batch=8]
+    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,tables,layout] [--batch=8]
                                  [--seq=40] [--rounds=3] [--decode_batches=4,8,16,40]
                                  [--new_tokens=48] [--tiny]
 
@@ -13,6 +13,8 @@
           (`jaxlm.train.loss.cpu_budget`)
   layers  the LoRA step with the layer scan vs unrolled layers (and each one's compile time
           and XLA temporaries)
+  tables  the demo's LoRA step on `--mesh=1x8` with the seed layout table vs KerasHub's
+          (`--layout=keras`), unrolled layers as train.py runs it
   layout  greedy decoding, one device, with vs without the CPU decode step layout, at each of
           --decode_batches (default 4,8,16,40) with --new_tokens (48) after 32-token prompts
 
@@ -70,9 +72,9 @@ def load(source, placement=None):
     return jaxlm.load(source, "float32", placement=placement)
 
 
-def lora_step(model, params, mesh, batch_size: int, seq: int, chunk_logits=None):
+def lora_step(model, params, mesh, batch_size: int, seq: int, chunk_logits=None, layout=None):
     """-> [compiled step, state, frozen, batch] of the trainer's LoRA step on `mesh`."""
-    specs = sharding.partition_specs(params, sharding.rules_for(model.config), mesh)
+    specs = sharding.partition_specs(params, sharding.rules_for(model.config, layout), mesh)
     built = trainer.build(params, mesh, param_specs=specs,
                           loss_fn=L.lm_loss_fn(model, chunk_logits=chunk_logits),
                           optimizer=optim.make_optimizer(), lora=trainer.LoraSpec(4))
@@ -190,6 +192,14 @@ def main(argv=None) -> int:
                 model, params = load(source, placement)
                 runs[spec] = (lambda model=model, params=params, mesh=mesh: generate(
                     model, params, tok, prompts, max_length=longest + 12, mesh=mesh))
+        elif what == "tables":
+            mesh = sharding.make_mesh("1x8", jax.devices()[:8])
+            cfg = load(source)[0].config if source is None else jaxlm.load(source, abstract=True)[0].config
+            for layout in ("seed", "keras"):
+                model, params = load(source, sharding.placement(mesh, sharding.rules_for(cfg, layout)))
+                model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
+                run, info[layout] = lora_step(model, params, mesh, args.batch, args.seq, layout=layout)
+                runs[layout] = stepper(run)
         elif what == "layout":
             runs = layout_runs(*load(source), args.decode_batches, args.new_tokens)
         else:

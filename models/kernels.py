@@ -30,9 +30,9 @@ from models import layers
 # The step layout (below) holds a second, transposed copy of the block kernels while a
 # generate call runs; models whose block kernels exceed this decode with their stored layout.
 STEP_LAYOUT_MAX_BYTES = 2 << 30
-# ... and only small batches use it, where a step streams the weights. Gemma 3 270M, float32,
-# one device, 48 new tokens, with vs without: batch 8 13% faster, 16 6.5%, 40 1.7% slower and
-# +0.39 GB of peak RSS (the demo's 40-prompt evaluation; 2026-12-01).
+# ... and only batches this small use it, where a step streams the weights: Gemma 3 270M with
+# vs without, float32, 48 new tokens: batch 8 11.4% faster, 16 7.1%, 40 (the demo's evaluation)
+# 1.3% slower and its 400 MB held for nothing (`BENCH real_ab_layout`, bench/README.md).
 STEP_LAYOUT_MAX_ROWS = 16
 
 
@@ -242,7 +242,8 @@ def step_layout_pays(platform: str, block_bytes: int, rows: int) -> bool:
     """Whether the decoder should build the step layout for a batch of `rows`: on CPU, for
     block kernels of at most STEP_LAYOUT_MAX_BYTES (the copy is held while generating) and at
     most STEP_LAYOUT_MAX_ROWS rows (a larger batch is not bound by the weight stream)."""
-    return platform == "cpu" and block_bytes <= STEP_LAYOUT_MAX_BYTES and rows <= STEP_LAYOUT_MAX_ROWS
+    return (platform == "cpu" and block_bytes <= STEP_LAYOUT_MAX_BYTES
+            and rows <= STEP_LAYOUT_MAX_ROWS)
 
 
 _PER_HEAD = "BTH,NHD->BTND"  # the query/key/value projections
