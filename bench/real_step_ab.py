@@ -84,6 +84,7 @@ def lora_step(model, params, mesh, batch_size: int, seq: int, chunk_logits=None,
     compiled = built.step.lower(built.state, built.frozen, batch).compile()
     info = {"compile_s": time.perf_counter() - t0,
             "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2 ** 30,
+            "args_gib": compiled.memory_analysis().argument_size_in_bytes / 2 ** 30,
             "collectives": {k: v for k, v in aot.count_collectives(compiled.as_text()).items() if v}}
     return [compiled, built.state, built.frozen, batch], info
 
@@ -131,7 +132,7 @@ def stepper(run):
 def report(what: str, times: dict, info: dict | None = None) -> str:
     for k, ts in times.items():
         extra = "" if not info else (f", compile {info[k]['compile_s']:.1f} s, temporaries "
-                                     f"{info[k]['temp_gib']:.3f} GiB, collectives {info[k]['collectives'] or 'none'}")
+                                     f"{info[k]['temp_gib']:.3f} GiB, arguments {info[k]['args_gib']:.3f} GiB, collectives {info[k]['collectives'] or 'none'}")
         print(f"{what} {k}: best {min(ts) * 1e3:.0f} ms, median {statistics.median(ts) * 1e3:.0f} ms "
               f"over {len(ts)}{extra}")
     return f"BENCH real_ab_{what} " + " ".join(f"{k}_ms={min(ts) * 1e3:.1f}" for k, ts in times.items()) + " unit=ms"
