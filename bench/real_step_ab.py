@@ -72,6 +72,11 @@ def load(source, placement=None):
     return jaxlm.load(source, "float32", placement=placement)
 
 
+def config(source):
+    """The model config of `source` (None: the tiny one), without loading weights if it can."""
+    return load(source)[0].config if source is None else jaxlm.load(source, abstract=True)[0].config
+
+
 def lora_step(model, params, mesh, batch_size: int, seq: int, chunk_logits=None, layout=None):
     """-> [compiled step, state, frozen, batch] of the trainer's LoRA step on `mesh`."""
     specs = sharding.partition_specs(params, sharding.rules_for(model.config, layout), mesh)
@@ -82,9 +87,9 @@ def lora_step(model, params, mesh, batch_size: int, seq: int, chunk_logits=None,
     batch = jax.device_put({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}, built.batch_sharding)
     t0 = time.perf_counter()
     compiled = built.step.lower(built.state, built.frozen, batch).compile()
-    info = {"compile_s": time.perf_counter() - t0,
-            "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2 ** 30,
-            "args_gib": compiled.memory_analysis().argument_size_in_bytes / 2 ** 30,
+    seconds, memory = time.perf_counter() - t0, compiled.memory_analysis()
+    info = {"compile_s": seconds, "temp_gib": memory.temp_size_in_bytes / 2 ** 30,
+            "args_gib": memory.argument_size_in_bytes / 2 ** 30,
             "collectives": {k: v for k, v in aot.count_collectives(compiled.as_text()).items() if v}}
     return [compiled, built.state, built.frozen, batch], info
 
@@ -154,8 +159,8 @@ def main(argv=None) -> int:
     for what in args.what.split(","):
         runs, info = {}, {}
         if what == "mesh":
+            cfg = config(source)
             for spec, mesh in (("1x8", sharding.make_mesh("1x8", jax.devices()[:8])), ("1x1", one)):
-                cfg = load(source)[0].config if source is None else jaxlm.load(source, abstract=True)[0].config
                 model, params = load(source, sharding.placement(mesh, sharding.rules_for(cfg)))
                 run, info[spec] = lora_step(model, params, mesh, args.batch, args.seq)
                 runs[spec] = stepper(run)
@@ -187,15 +192,14 @@ def main(argv=None) -> int:
             tok = jaxlm.load_tokenizer(source or "gemma_tiny")
             prompts = [data.prompt(data.TEMPLATE, i) for i in data.builtin_dataset()[1].instructions[:40]]
             longest = max(len(tok.encode(q)) for q in prompts)
+            cfg = config(source)
             for spec, mesh in (("1x8", sharding.make_mesh("1x8", jax.devices()[:8])), ("1x1", None)):
-                cfg = load(source)[0].config if source is None else jaxlm.load(source, abstract=True)[0].config
                 placement = sharding.placement(mesh, sharding.rules_for(cfg)) if mesh else None
                 model, params = load(source, placement)
                 runs[spec] = (lambda model=model, params=params, mesh=mesh: generate(
                     model, params, tok, prompts, max_length=longest + 12, mesh=mesh))
         elif what == "tables":
-            mesh = sharding.make_mesh("1x8", jax.devices()[:8])
-            cfg = load(source)[0].config if source is None else jaxlm.load(source, abstract=True)[0].config
+            mesh, cfg = sharding.make_mesh("1x8", jax.devices()[:8]), config(source)
             for layout in ("seed", "keras"):
                 model, params = load(source, sharding.placement(mesh, sharding.rules_for(cfg, layout)))
                 model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
