@@ -1,6 +1,6 @@
 """What the real Gemma 3 270M LoRA step costs: interleaved A/Bs in one process, one CPU device.
 
-    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,tables,layout] [--batch=8]
+    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,tables,activations,layout] [--batch=8]
                                  [--seq=40] [--rounds=3] [--decode_batches=4,8,16,40]
                                  [--new_tokens=48] [--tiny]
 
@@ -15,6 +15,9 @@
           and XLA temporaries)
   tables  the demo's LoRA step on `--mesh=1x8` with the seed layout table vs KerasHub's
           (`--layout=keras`), unrolled layers as train.py runs it
+  activations  the demo's LoRA step on `--mesh=1x8` with the seed table's activation rules
+          (`sharding.activation_rules`: attention rows over both mesh axes) vs none (XLA's
+          partitioner alone); every other A/B uses the table's rules, as train.py
   layout  greedy decoding, one device, with vs without the CPU decode step layout, at each of
           --decode_batches (default 4,8,16,40) with --new_tokens (48) after 32-token prompts
 
@@ -77,12 +80,16 @@ def config(source):
     return load(source)[0].config if source is None else jaxlm.load(source, abstract=True)[0].config
 
 
-def lora_step(model, params, mesh, batch_size: int, seq: int, chunk_logits=None, layout=None):
-    """-> [compiled step, state, frozen, batch] of the trainer's LoRA step on `mesh`."""
+def lora_step(model, params, mesh, batch_size: int, seq: int, chunk_logits=None, layout=None,
+              activations: bool = True):
+    """-> [compiled step, state, frozen, batch] of the trainer's LoRA step on `mesh` (with the
+    layout table's activation rules, as train.py, unless `activations` is False)."""
     specs = sharding.partition_specs(params, sharding.rules_for(model.config, layout), mesh)
+    acts = sharding.activation_rules(model.config, layout) if activations else None
     built = trainer.build(params, mesh, param_specs=specs,
                           loss_fn=L.lm_loss_fn(model, chunk_logits=chunk_logits),
-                          optimizer=optim.make_optimizer(), lora=trainer.LoraSpec(4))
+                          optimizer=optim.make_optimizer(), lora=trainer.LoraSpec(4),
+                          activations=acts)
     ids = np.random.RandomState(0).randint(3, model.config.vocab_size, (batch_size, seq + 1)).astype(np.int32)
     batch = jax.device_put({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}, built.batch_sharding)
     t0 = time.perf_counter()
@@ -205,6 +212,13 @@ def main(argv=None) -> int:
                 model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
                 run, info[layout] = lora_step(model, params, mesh, args.batch, args.seq, layout=layout)
                 runs[layout] = stepper(run)
+        elif what == "activations":
+            mesh, cfg = sharding.make_mesh("1x8", jax.devices()[:8]), config(source)
+            model, params = load(source, sharding.placement(mesh, sharding.rules_for(cfg)))
+            model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
+            for name, on in (("table", True), ("partitioner", False)):
+                run, info[name] = lora_step(model, params, mesh, args.batch, args.seq, activations=on)
+                runs[name] = stepper(run)
         elif what == "layout":
             runs = layout_runs(*load(source), args.decode_batches, args.new_tokens)
         else:

@@ -156,8 +156,13 @@ class Attention(nn.Module):
         if cache is None and cfg.attention == "cudnn":  # mask: None, or packed examples apart
             out = layers.fused_causal_attention(q, key, value, window, mask)
         else:
+            # Training under a table that splits no heads: each device takes its share of rows.
+            rows = ("attention_batch", None, None, None)
+            q, key, value = (layers.constrain(a, rows) for a in (q, key, value))
+            mask = layers.constrain(mask, rows[:3])
             out = layers.grouped_attention(q, key, value, mask, cfg.attention_logit_soft_cap,
                                            causal=cache is None, window=window)  # [B, T, N, D]
+            out = layers.constrain(out, rows)
         out_proj = layers.Einsum((n, d, h), dtype, name="attention_output")
         out = out_proj("BTND,NDH->BTH", out)
         return out, cache

@@ -6,13 +6,57 @@ faster written another way, models/kernels.py holds that version and picks it.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import math
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 # Keras' glorot_uniform for EinsumDense kernels: fans from the last two axes is close enough for a
 # random init; parity only matters for loaded weights.
 kernel_init = nn.initializers.xavier_uniform()
+
+
+# --- Activation layout ----------------------------------------------------------------------
+# The layout table places the weights; XLA's partitioner then places the activations. Where a
+# table leaves a whole computation repeated on every device of an axis (the seed table splits
+# the hidden dim of q/k/v, so every model-axis device computes all of attention), it names a
+# better layout for the activations by logical name, and the trainer traces its step under it.
+_ACTIVATIONS: contextvars.ContextVar = contextvars.ContextVar("activation_layout", default=None)
+
+
+@contextlib.contextmanager
+def activation_layout(mesh, rules: dict):
+    """While tracing inside it, `constrain` pins activations: rules {logical name: mesh axes}."""
+    token = _ACTIVATIONS.set(None if mesh is None or not rules else (mesh, dict(rules)))
+    try:
+        yield
+    finally:
+        _ACTIVATIONS.reset(token)
+
+
+def constrain(x, names: tuple):
+    """x with dim i split over the mesh axes of rule `names[i]`, inside `activation_layout`.
+
+    A dim takes the longest prefix of its axes whose product divides it; a dim with no rule
+    (or None) stays whole. Outside the context, or when no dim is split, x is left as it is
+    (to the partitioner)."""
+    layout = _ACTIVATIONS.get()
+    if layout is None or x is None:
+        return x
+    mesh, rules = layout
+    spec = []
+    for name, size in zip(names, x.shape):
+        axes = [a for a in rules.get(name, ()) if a in mesh.shape] if name else []
+        while axes and size % math.prod(mesh.shape[a] for a in axes):
+            axes.pop()
+        spec.append(tuple(axes) if axes and math.prod(mesh.shape[a] for a in axes) > 1 else None)
+    if all(a is None for a in spec):
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
 
 
 class Einsum(nn.Module):

@@ -196,3 +196,48 @@ def test_placement_warns_once_per_rule(caplog):
         assert quiet("decoder_block_0/attention/key/kernel", (1, 128, 32)).spec == \
             P(None, "batch", None)
     assert not caplog.records
+
+
+def test_constrain_splits_a_dim_over_the_axes_that_divide_it():
+    from models import layers
+    mesh = sharding.make_mesh("1x8")
+    rules = {"rows": ("batch", "model")}
+    f = lambda x: layers.constrain(x, ("rows", None))  # noqa: E731
+    x = np.ones((8, 3), np.float32)
+    assert f(x) is x  # outside an activation layout nothing changes
+    with layers.activation_layout(mesh, rules):
+        y = jax.jit(f)(x)
+        odd = jax.jit(f)(np.ones((4, 3), np.float32))  # 8 devices do not divide 4 rows
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(("batch", "model"), None)), 2)
+    assert not y.sharding.is_fully_replicated and odd.sharding.is_fully_replicated
+    assert sharding.activation_rules(jaxlm.load("gemma_tiny", abstract=True)[0].config) == {
+        "attention_batch": ("batch", "model")}
+    assert sharding.activation_rules(jaxlm.load("gemma_tiny", abstract=True)[0].config, "keras") == {}
+
+
+def test_seed_table_splits_attention_rows_with_the_same_step():
+    """The seed table's activation rules put attention's rows over both mesh axes (the compiled
+    step gathers attention outputs instead of repeating attention on every device) and train
+    exactly as the partitioner's own layout."""
+    from jaxlm import data
+    from jaxlm.train import loss as L, optim, trainer
+    mesh = sharding.make_mesh("1x8")
+    cfg = jaxlm.load("gemma_tiny", abstract=True)[0].config
+    rules = sharding.rules_for(cfg)
+    model, params = jaxlm.load("gemma_tiny", placement=sharding.placement(mesh, rules, quiet=True))
+    tok = jaxlm.load_tokenizer("gemma_tiny")
+    ids, mask = data.pack(tok, data.format_examples(data.builtin_dataset()[0], data.TEMPLATE), 24)
+    batch = data.host_batch(ids, mask, 0, batch_size=8)
+    out = {}
+    for name, acts in (("table", sharding.activation_rules(cfg)), ("partitioner", None)):
+        built = trainer.build(params, mesh, param_specs=sharding.partition_specs(params, rules, mesh),
+                              loss_fn=L.lm_loss_fn(model), optimizer=optim.make_optimizer(),
+                              lora=trainer.LoraSpec(4), activations=acts)
+        text = built.step.lower(built.state, built.frozen, batch).compile().as_text()
+        state, metrics = built.step(built.state, built.frozen, batch)
+        state, metrics = built.step(state, built.frozen, batch)
+        out[name] = (text.count("all-gather("), float(metrics["loss"]), flatten(state["trainable"]))
+    assert out["table"][0] > 0 == out["partitioner"][0]
+    np.testing.assert_allclose(out["table"][1], out["partitioner"][1], rtol=1e-5)
+    for k, v in out["table"][2].items():
+        np.testing.assert_allclose(np.asarray(v), np.asarray(out["partitioner"][2][k]), rtol=1e-4, atol=1e-6)

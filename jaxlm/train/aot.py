@@ -105,7 +105,8 @@ def abstract_trainer(model, params, mesh, *, lora_rank: int, layout=None, accum_
     return trainer.build(params, mesh, param_specs=param_specs,
                          loss_fn=lm_loss_fn(model, chunk_logits=chunk_logits),
                          optimizer=optimizer or optim.make_optimizer(), lora=spec,
-                         trainable_dtype=trainable_dtype, accum_steps=accum_steps)
+                         trainable_dtype=trainable_dtype, accum_steps=accum_steps,
+                         activations=sharding.activation_rules(model.config, layout))
 
 
 @dataclasses.dataclass

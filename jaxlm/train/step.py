@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from models import layers
+
 LossFn = Callable  # (params, batch, rng) -> (loss_sum [], metrics {str: []} with "count")
 MergeFn = Callable  # (frozen, trainable) -> params the loss sees
 
@@ -40,7 +42,7 @@ def micro_batch_sharding(mesh, accum_steps: int = 1) -> NamedSharding:
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     merge: MergeFn | None = None, accum_steps: int = 1,
                     state_shardings=None, frozen_shardings=None, batch_shardings=None,
-                    mesh=None, donate: bool = True):
+                    mesh=None, activations: dict | None = None, donate: bool = True):
     """-> step(state, frozen, batch) -> (new_state, metrics), jitted.
 
     loss_fn: (params, batch, rng) -> (loss_sum, metric sums incl. "count").
@@ -48,6 +50,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       and `frozen` is ignored (pass None).
     accum_steps: batch leaves carry a leading micro-batch axis [A, B, ...] when > 1.
     *_shardings, mesh: explicit jit in/out shardings (all or none); metrics come back replicated.
+    activations: the layout table's activation rules (`sharding.activation_rules`), which the
+      model's `layers.constrain` calls follow on `mesh`; None leaves them to the partitioner.
     Returned metrics: loss, accuracy (per weighted token), count, grad_norm (before clipping).
     """
     def params_of(frozen, trainable):
@@ -56,7 +60,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     def grads_and_sums(trainable, frozen, batch, rng):
         def objective(tr):
             return loss_fn(params_of(frozen, tr), batch, rng)
-        (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
+        with layers.activation_layout(mesh, activations):
+            (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
         return grads, sums
 
     def step(state, frozen, batch):

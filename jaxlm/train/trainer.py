@@ -117,13 +117,15 @@ def init_state(trainable, optimizer: optax.GradientTransformation, mesh=None, *,
 
 def build(params, mesh, *, param_specs, loss_fn: Callable,
           optimizer: optax.GradientTransformation, lora: LoraSpec | None = None,
-          trainable_dtype: str = "float32", accum_steps: int = 1, seed: int = 0) -> Trainer:
+          trainable_dtype: str = "float32", accum_steps: int = 1, seed: int = 0,
+          activations: dict | None = None) -> Trainer:
     """The state, frozen tree and jitted step for training `params` (see the module docstring).
 
     params: placed arrays, or ShapeDtypeStructs with shardings (then everything is abstract).
     param_specs: `sharding.partition_specs(params, rules, mesh)`. loss_fn: (params, batch, rng)
     -> (loss_sum, metric sums incl. "count"), e.g. `jaxlm.train.loss.lm_loss_fn(model)`.
     trainable_dtype: the adapters' dtype (the precision policy's master dtype).
+    activations: the layout table's activation rules, `sharding.activation_rules(config, layout)`.
     """
     abstract = _is_abstract(params)
     if lora is not None:
@@ -137,7 +139,7 @@ def build(params, mesh, *, param_specs, loss_fn: Callable,
     step = make_train_step(loss_fn, optimizer, merge=merge, accum_steps=accum_steps,
                            state_shardings=shardings_of(state),
                            frozen_shardings=None if frozen is None else shardings_of(frozen),
-                           batch_shardings=batch_shd, mesh=mesh)
+                           batch_shardings=batch_shd, mesh=mesh, activations=activations)
     return Trainer(state=state, frozen=frozen, step=step, batch_sharding=batch_shd)
 
 
