@@ -5,7 +5,7 @@
                                  [--new_tokens=48] [--tiny]
 
   mesh    the demo's `--mesh=1x8` on 8 simulated devices vs one device (and the collectives
-          of each compiled step)
+          of each compiled step), unrolled layers as train.py runs LoRA on CPU
   generate  the demo's evaluation, greedy on its 40 held-out prompts with 12 new tokens, on
           the 8 simulated devices vs one device
   loss    the chunked loss alone (value + d_hidden, the LoRA case) at 2^23..2^26 logits a chunk
@@ -17,7 +17,8 @@
           (`--layout=keras`), unrolled layers as train.py runs it
   activations  the demo's LoRA step on `--mesh=1x8` with the seed table's activation rules
           (`sharding.activation_rules`: attention rows over both mesh axes) vs none (XLA's
-          partitioner alone); every other A/B uses the table's rules, as train.py
+          partitioner alone); every other A/B uses the rules where train.py does
+          (`jaxlm.train.trainer.activation_rules`: not with the layer scan on CPU)
   layout  greedy decoding, one device, with vs without the CPU decode step layout, at each of
           --decode_batches (default 4,8,16,40) with --new_tokens (48) after 32-token prompts
 
@@ -85,7 +86,7 @@ def lora_step(model, params, mesh, batch_size: int, seq: int, chunk_logits=None,
     """-> [compiled step, state, frozen, batch] of the trainer's LoRA step on `mesh` (with the
     layout table's activation rules, as train.py, unless `activations` is False)."""
     specs = sharding.partition_specs(params, sharding.rules_for(model.config, layout), mesh)
-    acts = sharding.activation_rules(model.config, layout) if activations else None
+    acts = trainer.activation_rules(model, layout, "cpu") if activations else None
     built = trainer.build(params, mesh, param_specs=specs,
                           loss_fn=L.lm_loss_fn(model, chunk_logits=chunk_logits),
                           optimizer=optim.make_optimizer(), lora=trainer.LoraSpec(4),
@@ -169,6 +170,7 @@ def main(argv=None) -> int:
             cfg = config(source)
             for spec, mesh in (("1x8", sharding.make_mesh("1x8", jax.devices()[:8])), ("1x1", one)):
                 model, params = load(source, sharding.placement(mesh, sharding.rules_for(cfg)))
+                model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
                 run, info[spec] = lora_step(model, params, mesh, args.batch, args.seq)
                 runs[spec] = stepper(run)
         elif what in ("budget", "layers"):

@@ -69,8 +69,9 @@ DEFAULT_LAYOUT = {"gemma": "seed", "roberta": "data"}
 # table splits no attention heads, so left alone every model-axis device computes the whole of
 # attention for every row; its rows go over both axes instead (Gemma 3 270M LoRA on 1x8: a
 # step 15-18% faster, `python bench/real_step_ab.py --what=activations`; on a TPU v3-8 Gemma 7B
-# LoRA at 8 x 512 fits without remat by `python bench/memory.py`). Tables not named here
-# leave the activations to XLA's partitioner.
+# LoRA at 8 x 512 fits without remat by `python bench/memory.py`). The trainer applies them
+# (on CPU to unrolled layers only, `jaxlm.train.trainer.activation_rules`); tables not named
+# here leave the activations to XLA's partitioner.
 ACTIVATIONS = {
     "gemma": {"seed": {"attention_batch": ("batch", "model")}},
 }

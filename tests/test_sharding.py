@@ -215,6 +215,16 @@ def test_constrain_splits_a_dim_over_the_axes_that_divide_it():
     assert sharding.activation_rules(jaxlm.load("gemma_tiny", abstract=True)[0].config, "keras") == {}
 
 
+def test_the_step_takes_the_activation_rules_except_scanned_on_cpu():
+    from jaxlm.train import trainer
+    model = jaxlm.load("gemma_tiny", abstract=True)[0]
+    unrolled = type(model)(model.config.replace(scan_layers=False))
+    assert model.config.scan_layers and trainer.activation_rules(model, None, "cpu") == {}
+    assert trainer.activation_rules(unrolled, None, "cpu") == {"attention_batch": ("batch", "model")}
+    assert trainer.activation_rules(model, None, "tpu") == {"attention_batch": ("batch", "model")}
+    assert trainer.activation_rules(model, "keras", "tpu") == {}
+
+
 def test_seed_table_splits_attention_rows_with_the_same_step():
     """The seed table's activation rules put attention's rows over both mesh axes (the compiled
     step gathers attention outputs instead of repeating attention on every device) and train
@@ -225,11 +235,12 @@ def test_seed_table_splits_attention_rows_with_the_same_step():
     cfg = jaxlm.load("gemma_tiny", abstract=True)[0].config
     rules = sharding.rules_for(cfg)
     model, params = jaxlm.load("gemma_tiny", placement=sharding.placement(mesh, rules, quiet=True))
+    model = trainer.training_model(model, lora=True, platform="cpu")  # unrolled, as train.py
     tok = jaxlm.load_tokenizer("gemma_tiny")
     ids, mask = data.pack(tok, data.format_examples(data.builtin_dataset()[0], data.TEMPLATE), 24)
     batch = data.host_batch(ids, mask, 0, batch_size=8)
     out = {}
-    for name, acts in (("table", sharding.activation_rules(cfg)), ("partitioner", None)):
+    for name, acts in (("table", trainer.activation_rules(model, None, "cpu")), ("partitioner", None)):
         built = trainer.build(params, mesh, param_specs=sharding.partition_specs(params, rules, mesh),
                               loss_fn=L.lm_loss_fn(model), optimizer=optim.make_optimizer(),
                               lora=trainer.LoraSpec(4), activations=acts)

@@ -106,7 +106,8 @@ def abstract_trainer(model, params, mesh, *, lora_rank: int, layout=None, accum_
                          loss_fn=lm_loss_fn(model, chunk_logits=chunk_logits),
                          optimizer=optimizer or optim.make_optimizer(), lora=spec,
                          trainable_dtype=trainable_dtype, accum_steps=accum_steps,
-                         activations=sharding.activation_rules(model.config, layout))
+                         activations=trainer.activation_rules(
+                             model, layout, mesh.devices.flat[0].platform))
 
 
 @dataclasses.dataclass

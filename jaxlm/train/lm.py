@@ -195,7 +195,8 @@ def run(a: cli.Args) -> int:
         run_ = trainer_lib.build(params, mesh, param_specs=param_specs, loss_fn=lm_loss_fn(model),
                                  optimizer=optimizer, lora=lora_spec_of(a), trainable_dtype=policy.param,
                                  accum_steps=a.accum_steps, seed=a.seed,
-                                 activations=sharding.activation_rules(config, a.layout))
+                                 activations=trainer_lib.activation_rules(
+                                     model, a.layout, jax.default_backend()))
     except ValueError as e:
         if isinstance(e, UserError):
             raise
