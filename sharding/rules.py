@@ -11,12 +11,12 @@ Gemma, mesh axes ("batch", "model"):
           they end in `/kernel`, which selects the same parameters (LoRA factors live in their
           own tree, see `adapter_specs`).
   "keras" `GemmaBackbone.get_layout_map` of keras-hub 0.32, patterns verbatim.
-`ACTIVATIONS` adds, per table, where the partitioner should place some activations.
 RoBERTa:
   "data"  everything replicated; only the batch is split (DataParallel). The default: a
           125M-parameter encoder fits every chip.
   "model" Megatron-style: heads of q/k/v and the attention output, the FFN width, and the
           hidden dim of the embeddings over `model`.
+`ACTIVATIONS` adds, per table, where some activations go (`activation_rules`).
 """
 from __future__ import annotations
 

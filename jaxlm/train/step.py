@@ -50,8 +50,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       and `frozen` is ignored (pass None).
     accum_steps: batch leaves carry a leading micro-batch axis [A, B, ...] when > 1.
     *_shardings, mesh: explicit jit in/out shardings (all or none); metrics come back replicated.
-    activations: the layout table's activation rules (`sharding.activation_rules`), which the
-      model's `layers.constrain` calls follow on `mesh`; None leaves them to the partitioner.
+    activations: the layout table's activation rules (`jaxlm.train.trainer.activation_rules`),
+      which the model's `layers.constrain` calls follow on `mesh`; None leaves them to XLA.
     Returned metrics: loss, accuracy (per weighted token), count, grad_norm (before clipping).
     """
     def params_of(frozen, trainable):
