@@ -50,10 +50,11 @@ def constrain(x, names: tuple):
     mesh, rules = layout
     spec = []
     for name, size in zip(names, x.shape):
-        axes = [a for a in rules.get(name, ()) if a in mesh.shape] if name else []
+        # an axis of one device splits nothing: left out, a spec of none is no constraint
+        axes = [a for a in rules.get(name, ()) if mesh.shape.get(a, 1) > 1] if name else []
         while axes and size % math.prod(mesh.shape[a] for a in axes):
             axes.pop()
-        spec.append(tuple(axes) if axes and math.prod(mesh.shape[a] for a in axes) > 1 else None)
+        spec.append(tuple(axes) or None)
     if all(a is None for a in spec):
         return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))

@@ -210,9 +210,9 @@ def test_constrain_splits_a_dim_over_the_axes_that_divide_it():
         odd = jax.jit(f)(np.ones((4, 3), np.float32))  # 8 devices do not divide 4 rows
     assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(("batch", "model"), None)), 2)
     assert not y.sharding.is_fully_replicated and odd.sharding.is_fully_replicated
-    assert sharding.activation_rules(jaxlm.load("gemma_tiny", abstract=True)[0].config) == {
-        "attention_batch": ("batch", "model")}
-    assert sharding.activation_rules(jaxlm.load("gemma_tiny", abstract=True)[0].config, "keras") == {}
+    cfg = jaxlm.load("gemma_tiny", abstract=True)[0].config
+    assert sharding.activation_rules(cfg) == {"attention_batch": ("batch", "model")}
+    assert sharding.activation_rules(cfg, "keras") == {}
 
 
 def test_the_step_takes_the_activation_rules_except_scanned_on_cpu():
