@@ -1,6 +1,6 @@
 """What the real Gemma 3 270M LoRA step costs: interleaved A/Bs in one process, one CPU device.
 
-    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,tables,activations,layout] [--batch=8]
+    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,tables,activations,layout,scored] [--batch=8]
                                  [--seq=40] [--rounds=3] [--decode_batches=4,8,16,40]
                                  [--new_tokens=48] [--tiny]
 
@@ -21,6 +21,11 @@
           (`jaxlm.train.trainer.activation_rules`: not with the layer scan on CPU)
   layout  greedy decoding, one device, with vs without the CPU decode step layout, at each of
           --decode_batches (default 4,8,16,40) with --new_tokens (48) after 32-token prompts
+  scored  the demo's LoRA step on `--mesh=1x8` on its own first batch (the built-in tasks,
+          response-only loss: 7% of the targets weighted) projecting only the loss chunks that
+          hold a weighted target (`jaxlm.train.loss.live_chunks`) vs every chunk; and on one
+          device with every target weighted (random tokens), where the per-row sort is all
+          the change adds
 
 Float32, LoRA rank 4, AdamW (the trainer's optimizer), random tokens, the demo's batch 8 x 40
 by default. Each variant is compiled first; then they take turns, 3 steps a turn with the
@@ -34,6 +39,7 @@ Ends with one line per A/B:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -82,17 +88,20 @@ def config(source):
 
 
 def lora_step(model, params, mesh, batch_size: int, seq: int, chunk_logits=None, layout=None,
-              activations: bool = True):
+              activations: bool = True, rows: dict | None = None):
     """-> [compiled step, state, frozen, batch] of the trainer's LoRA step on `mesh` (with the
-    layout table's activation rules, as train.py, unless `activations` is False)."""
+    layout table's activation rules, as train.py, unless `activations` is False), on `rows`
+    ({"token_ids", "padding_mask"[, "loss_mask"]} [B, T+1]) or random tokens, every one scored."""
     specs = sharding.partition_specs(params, sharding.rules_for(model.config, layout), mesh)
     acts = trainer.activation_rules(model, layout, "cpu") if activations else None
     built = trainer.build(params, mesh, param_specs=specs,
                           loss_fn=L.lm_loss_fn(model, chunk_logits=chunk_logits),
                           optimizer=optim.make_optimizer(), lora=trainer.LoraSpec(4),
                           activations=acts)
-    ids = np.random.RandomState(0).randint(3, model.config.vocab_size, (batch_size, seq + 1)).astype(np.int32)
-    batch = jax.device_put({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}, built.batch_sharding)
+    if rows is None:
+        ids = np.random.RandomState(0).randint(3, model.config.vocab_size, (batch_size, seq + 1)).astype(np.int32)
+        rows = {"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}
+    batch = jax.device_put(rows, built.batch_sharding)
     t0 = time.perf_counter()
     compiled = built.step.lower(built.state, built.frozen, batch).compile()
     seconds, memory = time.perf_counter() - t0, compiled.memory_analysis()
@@ -100,6 +109,27 @@ def lora_step(model, params, mesh, batch_size: int, seq: int, chunk_logits=None,
             "args_gib": memory.argument_size_in_bytes / 2 ** 30,
             "collectives": {k: v for k, v in aot.count_collectives(compiled.as_text()).items() if v}}
     return [compiled, built.state, built.frozen, batch], info
+
+
+def demo_rows(source, batch_size: int, seq: int) -> dict:
+    """The demo's first training batch: the built-in tasks packed at `seq` tokens, the loss on
+    response tokens (train.py's defaults), rows as `jaxlm.data.batch_rows` takes them at step 0."""
+    from jaxlm import data
+    train = data.builtin_dataset()[0]
+    rows = data.encode(jaxlm.load_tokenizer(source or "gemma_tiny"), train, data.TEMPLATE, seq,
+                       loss_on="response")
+    return data.batch_rows(rows, 0, batch_size=batch_size, seed=0)
+
+
+@contextlib.contextmanager
+def every_chunk():
+    """Trace the loss as it was before `live_chunks`: every chunk projected, weighted or not."""
+    live = L.live_chunks
+    L.live_chunks = lambda weights, c: -(-weights.shape[1] // c)
+    try:
+        yield
+    finally:
+        L.live_chunks = live
 
 
 def layout_runs(model, params, batches: str, new_tokens: int) -> dict:
@@ -223,6 +253,20 @@ def main(argv=None) -> int:
                 runs[name] = stepper(run)
         elif what == "layout":
             runs = layout_runs(*load(source), args.decode_batches, args.new_tokens)
+        elif what == "scored":
+            mesh, cfg = sharding.make_mesh("1x8", jax.devices()[:8]), config(source)
+            model, params = load(source, sharding.placement(mesh, sharding.rules_for(cfg)))
+            model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
+            rows = demo_rows(source, args.batch, args.seq)
+            print(f"scored: the demo batch weights {rows['loss_mask'][:, 1:].mean():.1%} of its targets")
+            one_model, one_params = load(source)
+            one_model = trainer.training_model(one_model, lora=True, platform="cpu")
+            for name, scope in (("scored", contextlib.nullcontext), ("every", every_chunk)):
+                with scope():
+                    run, info[f"demo_{name}"] = lora_step(model, params, mesh, args.batch, args.seq, rows=rows)
+                    runs[f"demo_{name}"] = stepper(run)
+                    run, info[f"full_{name}"] = lora_step(one_model, one_params, one, args.batch, args.seq)
+                    runs[f"full_{name}"] = stepper(run)
         else:
             p.error(f"unknown --what={what}")
         for run in runs.values():  # warm up (a jitted step's second call may still compile)

@@ -174,3 +174,58 @@ def test_cpu_chunks_split_between_every_device_of_the_run(monkeypatch):
     assert one_process == L.chunk_length(8, 40, v, L.cpu_budget(v, h, devices=jax.device_count()))
     monkeypatch.setattr(jax, "local_device_count", lambda *a, **k: jax.device_count() // 2)
     assert L.chunk_length(8, 40, v, hidden=h) == one_process == 5
+
+
+def _scattered(b=3, t=16, h=6, v=50, seed=0):
+    """hidden, emb, targets and weights with holes: row 0 scores 3 scattered targets (one at
+    weight 0.5), row 1 two (first and last), row 2 none."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    hidden = jax.random.normal(keys[0], (b, t, h))
+    emb = jax.random.normal(keys[1], (v, h)) * 0.5
+    y = jax.random.randint(keys[2], (b, t), 0, v)
+    w = np.zeros((b, t), np.float32)
+    w[0, [1, 5, 9]] = [1.0, 0.5, 1.0]
+    w[1, [0, t - 1]] = 1.0
+    return hidden, emb, y, jnp.asarray(w)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 16])
+def test_weights_with_holes_equal_naive(chunk):
+    """Moving each row's weighted targets to its front changes no sum and no gradient: loss,
+    hits, d_hidden (zero at every unweighted position) and d_embedding equal the naive loss's."""
+    hidden, emb, y, w = _scattered()
+    f = lambda hh, e: L.chunked_cross_entropy(hh, e, y, w, chunk_size=chunk)  # noqa: E731
+    naive = lambda hh, e: L.naive_cross_entropy(hh @ e.T, y, w)  # noqa: E731
+    m, ref = f(hidden, emb), naive(hidden, emb)
+    assert float(m["count"]) == float(ref["count"]) == 4.5
+    np.testing.assert_allclose(float(m["loss_sum"]), float(ref["loss_sum"]), rtol=1e-5)
+    assert float(m["correct"]) == float(ref["correct"])
+    grads = jax.grad(lambda hh, e: f(hh, e)["loss_sum"], argnums=(0, 1))(hidden, emb)
+    ref_grads = jax.grad(lambda hh, e: naive(hh, e)["loss_sum"], argnums=(0, 1))(hidden, emb)
+    for a, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
+    assert not np.asarray(grads[0])[np.asarray(w) == 0].any()
+
+
+def test_only_chunks_with_a_weighted_target_are_projected(monkeypatch):
+    """The vocabulary projection runs for the chunks the fullest row's weighted targets fill,
+    counted at run time: 3 targets in a row, chunks of 4 -> one projection of the four chunks
+    (the value and gradient come from one pass); a batch without one projects nothing."""
+    calls = []
+    project = L.kernels.tied_logits
+
+    def counted(h, emb):
+        jax.debug.callback(lambda: calls.append(1))
+        return project(h, emb)
+    monkeypatch.setattr(L.kernels, "tied_logits", counted)
+    hidden, emb, y, w = _scattered()
+    step = jax.jit(jax.value_and_grad(
+        lambda hh, ww: L.chunked_cross_entropy(hh, emb, y, ww, chunk_size=4)["loss_sum"]))
+    loss, grad = step(hidden, w)
+    jax.effects_barrier()
+    assert len(calls) == 1
+    calls.clear()
+    loss, grad = step(hidden, jnp.zeros_like(w))
+    jax.effects_barrier()
+    assert not calls and float(loss) == 0.0 and not np.asarray(grad).any()
+    assert L.live_chunks(w, 4) == 1 and L.live_chunks(jnp.ones_like(w), 4) == 4
