@@ -144,3 +144,35 @@ def test_reading_stops_at_the_limit(tmp_path):
     path = write(tmp_path, "d.csv", "instruction,output\n" + rows)
     r = data.read_records(path, limit=5)
     assert len(r) == 5 and r.skipped == 0  # the broken row after the limit is never read
+
+
+def test_trim_padding_drops_the_columns_no_row_uses():
+    """Rows of 5, 12 and 3 tokens at --sequence_length=40: 11 targets at most, rounded up to 16
+    (width 17); every array keeps its first 17 columns. A longest row that fills the width, or
+    a rounding past it, leaves the full width."""
+    lengths, width = [5, 12, 3], 41
+    mask = np.arange(width)[None, :] < np.asarray(lengths)[:, None]
+    rows = {"token_ids": np.where(mask, 7, 0).astype(np.int32), "padding_mask": mask,
+            "loss_mask": mask.copy()}
+    trimmed = data.trim_padding(rows)
+    assert {k: v.shape for k, v in trimmed.items()} == {k: (3, 17) for k in rows}
+    for k in rows:
+        np.testing.assert_array_equal(trimmed[k], rows[k][:, :17])
+    assert trimmed["padding_mask"].sum() == mask.sum()
+    assert data.trim_padding(rows, multiple_of=1)["token_ids"].shape == (3, 12)
+    full = dict(rows, padding_mask=np.ones_like(mask))
+    assert data.trim_padding(full)["token_ids"].shape == (3, 41)
+    assert data.trim_padding({k: v[:, :15] for k, v in rows.items()})["token_ids"].shape == (3, 15)
+
+
+def test_training_rows_are_trimmed_to_the_longest_example(capsys):
+    """train.py's rows for the built-in tasks on the toy tokenizer: no column that is padding in
+    every row, and the run says on how many tokens the step runs."""
+    import jaxlm
+    from jaxlm.train import cli, lm
+    a = lm.resolve_defaults(cli.parse(["--preset=gemma_tiny", "--sequence_length=200"]), toy=True)
+    rows = lm.load_data(a, jaxlm.load_tokenizer("gemma_tiny"))[2]
+    width = rows["token_ids"].shape[1]
+    assert (width - 1) % 8 == 0 and width < 201
+    assert rows["padding_mask"][:, width - 9:].any()  # the last 8 targets hold the longest row's end
+    assert f"the step runs on {width - 1}" in capsys.readouterr().out

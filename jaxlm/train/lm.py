@@ -103,6 +103,11 @@ def load_data(a: cli.Args, tokenizer):
         real = int(rows["padding_mask"].sum())
         print(f"packing: {len(train)} examples into {len(rows['token_ids'])} rows "
               f"({real / rows['padding_mask'].size:.0%} of the tokens are real)")
+    rows = data.trim_padding(rows)
+    width = rows["token_ids"].shape[1] - 1
+    if width < a.sequence_length:
+        print(f"data: every row fits in {width} of the {a.sequence_length} tokens; the step runs "
+              f"on {width}")
     return train, held, rows
 
 
@@ -253,8 +258,8 @@ def run(a: cli.Args) -> int:
     if done >= steps:
         print(f"already trained to step {done} (of {steps}); nothing left to run")
     else:
-        print(f"training steps {done + 1}..{steps} of {global_batch} examples x {a.sequence_length} "
-              f"tokens on a {mesh.shape['batch']}x{mesh.shape['model']} mesh, learning rate "
+        print(f"training steps {done + 1}..{steps} of {global_batch} examples x "
+              f"{rows['token_ids'].shape[1] - 1} tokens on a {mesh.shape['batch']}x{mesh.shape['model']} mesh, learning rate "
               f"{a.learning_rate:g}")
     state, history = loop.run(run_.step, state, frozen, get_batch, num_steps=steps, mngr=mngr,
                               save_every=a.save_every, log_every=a.log_every,
