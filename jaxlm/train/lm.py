@@ -259,8 +259,8 @@ def run(a: cli.Args) -> int:
         print(f"already trained to step {done} (of {steps}); nothing left to run")
     else:
         print(f"training steps {done + 1}..{steps} of {global_batch} examples x "
-              f"{rows['token_ids'].shape[1] - 1} tokens on a {mesh.shape['batch']}x{mesh.shape['model']} mesh, learning rate "
-              f"{a.learning_rate:g}")
+              f"{rows['token_ids'].shape[1] - 1} tokens on a {mesh.shape['batch']}x"
+              f"{mesh.shape['model']} mesh, learning rate {a.learning_rate:g}")
     state, history = loop.run(run_.step, state, frozen, get_batch, num_steps=steps, mngr=mngr,
                               save_every=a.save_every, log_every=a.log_every,
                               meta=lambda s: {"step": s, "data_position": s * global_batch,
