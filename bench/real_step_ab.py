@@ -113,7 +113,9 @@ def lora_step(model, params, mesh, batch_size: int, seq: int, chunk_logits=None,
 
 def demo_rows(source, batch_size: int, seq: int) -> dict:
     """The demo's first training batch: the built-in tasks packed at `seq` tokens, the loss on
-    response tokens (train.py's defaults), rows as `jaxlm.data.batch_rows` takes them at step 0."""
+    response tokens (train.py's defaults), rows as `jaxlm.data.batch_rows` takes them at step 0.
+    Not trimmed: train.py drops the columns that are padding in every row, and `--seq=24` gives
+    its rows (the bench/README rows were measured at the default 40)."""
     from jaxlm import data
     train = data.builtin_dataset()[0]
     rows = data.encode(jaxlm.load_tokenizer(source or "gemma_tiny"), train, data.TEMPLATE, seq,
