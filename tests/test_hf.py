@@ -383,3 +383,23 @@ def test_config_transformers_cannot_run_writes_nothing(tmp_path):
     with pytest.raises(UserError, match="final_logit_soft_cap") as e:
         jaxlm.save(str(tmp_path / "out"), capped, {}, format="hf")
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+def test_a_tensor_is_written_from_its_own_bytes(tmp_path):
+    """Writing a safetensors file holds no copy of a tensor beyond the tensor itself (a
+    `tobytes()` copy cost 0.67 GB more at the export of Gemma 3 270M's embedding)."""
+    import tracemalloc
+    import ml_dtypes
+    from jaxlm.convert.hf_tensors import Reader, write_file
+    big = np.arange(4 << 20, dtype=np.float32).reshape(1024, 4096)  # 16 MiB
+    small = np.arange(12, dtype=ml_dtypes.bfloat16).reshape(3, 4).T  # not contiguous
+    specs = [("big", big.shape, "float32"), ("small", small.shape, "bfloat16")]
+    tracemalloc.start()
+    try:
+        write_file(str(tmp_path / "model.safetensors"), specs, iter([big, small]))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < (4 << 20), peak  # a quarter of the big tensor
+    with Reader(str(tmp_path)) as r:
+        assert r.get("big").tobytes() == big.tobytes() and r.get("small").tobytes() == small.tobytes()

@@ -201,7 +201,8 @@ def write_file(path: str, specs: list[tuple[str, tuple, str]], arrays: Iterator[
             arr = next(arrays)
             if tuple(arr.shape) != tuple(shape) or arr.dtype != np.dtype(dtype):
                 raise RuntimeError(f"{key}: got {arr.shape} {arr.dtype}, header says {shape} {dtype}")
-            f.write(np.ascontiguousarray(arr).tobytes())
+            # The array's own bytes, not `tobytes()`'s copy (0.67 GB for Gemma 3 270M's embedding).
+            f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
             del arr
     if storage.exists(path):  # rename does not overwrite on every backend
         storage.remove_tree(path)
