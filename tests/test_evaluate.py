@@ -1,6 +1,7 @@
 """The before/after evaluator: on simulated CPU devices it evaluates on one device, and what it
 reports is what the training mesh would have generated."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jaxlm
@@ -22,7 +23,11 @@ def test_a_simulated_mesh_evaluates_on_one_device_with_the_mesh_results():
     kwargs = dict(eval_examples=6, max_new_tokens=5)
     ours = Evaluator(tok, data.TEMPLATE, held, held.instructions[:2], mesh=mesh, **kwargs)
     assert ours.one_device and ours.mesh is None
-    got = ours("after", model, params, adapters)
+    given = params
+    got, params = ours("after", model, params, adapters)
+    # moved to one device and back, not copied: the tree given is gone, its values are not
+    assert all(x.is_deleted() for x in jax.tree.leaves(given))
+    assert jax.tree.map(lambda x: x.sharding, params) == jax.tree.map(lambda x: x.sharding, given)
     # The reference: generation on the 8-device mesh itself, as on real accelerators. The
     # samples are held-out prompts, so they come from the exact-match batch.
     from jaxlm.generate import generate
@@ -39,9 +44,43 @@ def test_a_simulated_mesh_evaluates_on_one_device_with_the_mesh_results():
     own = Evaluator(tok, data.TEMPLATE, held, ["What is 2 + 2?"], mesh=mesh, **kwargs)
     alone = [data.prompt(data.TEMPLATE, "What is 2 + 2?")]
     n = len(tok.encode(alone[0]))
-    assert list(own("after", model, params, adapters)["samples"].values()) == generate(
+    result, params = own("after", model, params, adapters)
+    assert list(result["samples"].values()) == generate(
         model, params, tok, alone, max_length=n + 5, strip_prompt=True, adapters=adapters, mesh=mesh)
-    # the evaluation's one-device copy is gone again: the parameters stay where they were
+    # the parameters are back where they were, adapters untouched
     leaf = jax.tree.leaves(params)[0]
     assert len(leaf.sharding.device_set) == 8
     assert np.isfinite(np.asarray(leaf)).all()
+    assert not any(x.is_deleted() for x in jax.tree.leaves(adapters))
+
+
+def test_moved_holds_the_tree_once_plus_one_array():
+    """`moved` deletes each array once its replacement exists: the live bytes never exceed the
+    tree plus its largest array (a copy of the tree would hold it twice)."""
+    from jaxlm.train.evaluate import moved
+    mesh = sharding.make_mesh("1x8")
+    put = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model"))
+    sizes = [64, 32, 16, 16]
+    tree = {f"w{i}": jax.device_put(np.full((n, 1024), i, np.float32), put) for i, n in enumerate(sizes)}
+
+    def mine():  # bytes of the distinct buffers behind these arrays (shard views share them)
+        return sum({s.data.unsafe_buffer_pointer(): s.data.nbytes for x in jax.live_arrays()
+                    if x.shape[1:] == (1024,) and not x.is_deleted()
+                    for s in x.addressable_shards}.values())
+    start, seen = mine(), []
+
+    def one_device(x, _):
+        y = jax.device_put(x, jax.devices()[0])
+        seen.append(mine())
+        return y
+    out = moved(tree, one_device)
+    assert max(seen) <= start + 64 * 1024 * 4 < 2 * start
+    assert all(x.is_deleted() for x in tree.values())
+    back = moved(out, lambda x, s: jax.device_put(x, s), jax.tree.map(lambda x: put, out))
+    assert [float(back[k][0, 0]) for k in sorted(back)] == [0, 1, 2, 3]
+    assert all(v.sharding == put for v in back.values()) and mine() == start
+    # replicated: device_put keeps the one-device buffer as a shard, so it must not be deleted
+    everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    spread = moved({"s": jnp.arange(3.0, device=jax.devices()[0])}, lambda x, s: jax.device_put(x, s),
+                   {"s": everywhere})
+    assert np.asarray(spread["s"]).tolist() == [0, 1, 2] and spread["s"].sharding == everywhere

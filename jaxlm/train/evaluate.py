@@ -2,7 +2,7 @@
 
     evaluator = Evaluator(tokenizer, template, held, sample_instructions, eval_examples=40,
                           max_new_tokens=12, mesh=mesh)
-    result = evaluator("after", model, params, adapters)   # {"samples": {...}, "exact_match": f}
+    result, params = evaluator("after", model, params, adapters)  # {"samples": {...}, "exact_match": f}
 
 Generation is `jaxlm.generate` with KerasHub semantics, greedy, on the training mesh. The
 adapters (a `jaxlm.lora.Adapters`) are merged with their own alpha, so what is evaluated is
@@ -13,7 +13,9 @@ exception: there the evaluation runs on one device. Under the seed's layout the 
 replicated over the model axis, so each simulated device repeats the attention and every
 elementwise op, on the same few cores: 40 greedy prompts of the demo's Gemma 3 270M took 55 s
 on the 8 simulated devices and 8 s on one (`python bench/real_step_ab.py --what=generate`).
-The numbers are the same computation; only the order of the sharded sums differs.
+The numbers are the same computation; only the order of the sharded sums differs. The weights
+are moved there and back (`moved`), not copied: all 8 simulated devices live in this process's
+memory, and a copy held the demo's 1.07 GB of weights twice for the evaluation.
 """
 from __future__ import annotations
 
@@ -30,14 +32,52 @@ def simulated(mesh) -> bool:
             and all(d.platform == "cpu" for d in mesh.devices.flat))
 
 
+ALIGN = 64  # XLA:CPU adopts a host buffer aligned to this without copying it
+
+
 def _on_one_device(x):
-    """A copy of sharded array `x` on this process's first device, assembled from its shards on
-    the host one array at a time. (`jax.device_put` of the whole tree went through each array's
-    cached host value, which then stayed: 2.0 GB more for Gemma 3 270M's 1.07 GB instead of 1.1.)"""
-    host = np.empty(x.shape, x.dtype)
+    """A copy of sharded array `x` on this process's first device, assembled from its shards in
+    a host buffer that the device array then uses as it is (aligned for XLA:CPU; numpy's own
+    16-byte alignment made `device_put` copy it: the embedding twice, 0.67 GB more, while it
+    moved). One array at a time: `jax.device_put` of the whole tree went through each array's
+    cached host value, which then stayed (2.0 GB more for Gemma 3 270M's 1.07 GB)."""
+    raw = np.empty(x.nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    host = raw[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
     for shard in x.addressable_shards:
         host[shard.index] = np.asarray(shard.data)
     return jax.device_put(host, jax.local_devices()[0]).block_until_ready()
+
+
+def moved(tree, put, to=None):
+    """`tree` with each array x replaced by put(x, t) (t: the matching leaf of `to`, else None),
+    x deleted as soon as its replacement exists: the tree is held once plus its largest array,
+    not twice. (A copy of the demo's Gemma 3 270M for its evaluation raised the peak by the
+    whole 1.07 GB.) Pass the only reference to `tree` (an array over a host buffer, as
+    `_on_one_device` makes, frees it when its last reference goes, not on `delete`). An x whose
+    buffer the replacement kept is left to it: `jax.device_put` of a one-device array to a
+    replicated sharding keeps it as the shard on that device."""
+    targets = jax.tree.leaves(to) if to is not None else None
+    leaves, treedef = jax.tree.flatten(tree)
+    del tree
+    out = []
+    for i in range(len(leaves)):
+        x, leaves[i] = leaves[i], None
+        y = put(x, targets[i] if targets is not None else None)
+        if not _shares_a_buffer(x, y):
+            x.delete()
+        del x
+        out.append(y)
+    return jax.tree.unflatten(treedef, out)
+
+
+def _shares_a_buffer(x, y) -> bool:
+    theirs = {s.data.unsafe_buffer_pointer() for s in y.addressable_shards}
+    return any(s.data.unsafe_buffer_pointer() in theirs for s in x.addressable_shards)
+
+
+def _back(x, sharding):
+    return jax.device_put(x, sharding).block_until_ready()
 
 
 class Evaluator:
@@ -61,15 +101,19 @@ class Evaluator:
                         max_length=longest + self.max_new_tokens, strip_prompt=True,
                         adapters=adapters, mesh=self.mesh)
 
-    def __call__(self, when: str, model, params, adapters=None) -> dict:
+    def __call__(self, when: str, model, params, adapters=None) -> tuple[dict, dict]:
+        """-> (result, params). On a simulated mesh `params` are moved to one device for the
+        evaluation and back to their shardings, each array deleted once its copy exists (see
+        `moved`): use the returned tree, the one given is gone. The adapters are copied."""
         if not self.one_device:
-            return self._evaluate(when, model, params, adapters)
-        copy = jax.tree.map(_on_one_device, (params, adapters))  # freed when this returns
-        try:
-            return self._evaluate(when, model, *copy)
-        finally:
-            del copy
-            machine.return_freed_memory()
+            return self._evaluate(when, model, params, adapters), params
+        where = jax.tree.map(lambda x: x.sharding, params)
+        here = [moved(params, lambda x, _: _on_one_device(x))]  # the one reference (see `moved`)
+        del params
+        result = self._evaluate(when, model, here[0], jax.tree.map(_on_one_device, adapters))
+        params = moved(here.pop(), _back, where)
+        machine.return_freed_memory()
+        return result, params
 
     def _evaluate(self, when: str, model, params, adapters) -> dict:
         result = {}

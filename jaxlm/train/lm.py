@@ -131,6 +131,17 @@ def lora_spec_of(a: cli.Args) -> trainer_lib.LoraSpec | None:
     return trainer_lib.LoraSpec(a.lora_rank, a.lora_alpha, a.lora_targets) if a.lora_rank else None
 
 
+def evaluate(evaluator: Evaluator, when: str, model, state: dict, frozen: dict | None):
+    """-> (result, state, frozen): the model evaluated with its LoRA adapters (`frozen` is the
+    base) or its trainable weights; the evaluator may move the base or the trainable weights
+    and hands them back (see `Evaluator.__call__`)."""
+    if frozen is not None:
+        result, frozen = evaluator(when, model, frozen, state["trainable"])
+        return result, state, frozen
+    result, trained = evaluator(when, model, state["trainable"])
+    return result, {**state, "trainable": trained}, None
+
+
 def run(a: cli.Args) -> int:
     if not a.compile_only:
         checkpoint.check_run_folder(a.out)  # before anything loads
@@ -235,8 +246,7 @@ def run(a: cli.Args) -> int:
               f"data position {meta['data_position']})")
         before = json.loads(storage.read_text(before_path)) if storage.exists(before_path) else {}
     else:
-        before = evaluator("before", base_model, frozen if a.lora_rank else state["trainable"],
-                           state["trainable"] if a.lora_rank else None)
+        before, state, frozen = evaluate(evaluator, "before", base_model, state, frozen)
         if lead:
             storage.write_text(before_path, json.dumps(before, indent=1))
         phases.mark("eval before")
@@ -274,9 +284,8 @@ def run(a: cli.Args) -> int:
         print(f"loss {m0['loss']:.3f} -> {m1['loss']:.3f}, token accuracy {m0['accuracy']:.3f} -> "
               f"{m1['accuracy']:.3f} (steps {s0} -> {s1})")
 
+    after, state, frozen = evaluate(evaluator, "after", base_model, state, frozen)
     trained = state["trainable"]
-    after = evaluator("after", base_model, frozen if a.lora_rank else trained,
-                      trained if a.lora_rank else None)
     if lead:
         storage.write_text(storage.join(a.out, "eval_after.json"), json.dumps(after, indent=1))
     if "exact_match" in before and "exact_match" in after:
