@@ -8,6 +8,7 @@ import time
 
 import h5py
 import numpy as np
+import pytest
 
 from jaxlm.train import report
 
@@ -177,11 +178,9 @@ def test_kill_9_or_sigterm_then_rerun_equals_uninterrupted(tmp_path):
     assert proc.returncode == 2 and "flags differ: learning_rate" in err, err[-2000:]
 
 
-
 def test_tensorboard_events_are_written_without_importing_torch(tmp_path):
     """tensorboardX imports torch when it is installed (0.18 GB of RSS in every run); the
     writer is imported without it, and the events still read back."""
-    import pytest
     pytest.importorskip("torch")  # without torch installed there is nothing to keep out
     code = ("import sys\nfrom jaxlm.train import report\nb = report.TensorBoard(sys.argv[1])\n"
             "b.write([{'step': 1, 'loss': 2.5}, {'step': 2, 'loss': 1.5}])\nb.close()\n"
