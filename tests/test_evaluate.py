@@ -84,3 +84,20 @@ def test_moved_holds_the_tree_once_plus_one_array():
     spread = moved({"s": jnp.arange(3.0, device=jax.devices()[0])}, lambda x, s: jax.device_put(x, s),
                    {"s": everywhere})
     assert np.asarray(spread["s"]).tolist() == [0, 1, 2] and spread["s"].sharding == everywhere
+
+
+def test_back_and_place_put_each_shard_in_its_own_buffer():
+    """Onto a sharding split on the first axis: the one-device array goes back shard by shard
+    (`_back`), and a host array is placed as copies of its slices (`jaxlm.tree.place`), not
+    as views that keep the whole host array alive under every shard."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jaxlm.train.evaluate import _back, _on_one_device
+    from jaxlm.tree import place
+    rows = NamedSharding(sharding.make_mesh("1x8"), P("model", None))
+    host = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+    placed = place(host, rows)
+    start, end = host.ctypes.data, host.ctypes.data + host.nbytes
+    assert not any(start <= s.data.unsafe_buffer_pointer() < end for s in placed.addressable_shards)
+    back = _back(_on_one_device(placed), rows)
+    assert back.sharding == rows and [s.data.shape for s in back.addressable_shards] == [(8, 16)] * 8
+    np.testing.assert_array_equal(np.asarray(back), host)

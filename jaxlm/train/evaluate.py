@@ -77,7 +77,11 @@ def _shares_a_buffer(x, y) -> bool:
 
 
 def _back(x, sharding):
-    return jax.device_put(x, sharding).block_until_ready()
+    """One-device `x` onto `sharding`, one shard at a time: `jax.device_put` of the whole array
+    to a sharding split on its first axis held 1.1 GB beyond the demo's 0.67 GB embedding."""
+    shards = [jax.device_put(x[index], device).block_until_ready()
+              for device, index in sharding.addressable_devices_indices_map(x.shape).items()]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
 
 class Evaluator:

@@ -17,7 +17,7 @@ import jax
 
 import jaxlm
 import sharding
-from jaxlm import checkpoint, data, distributed, precision, storage
+from jaxlm import checkpoint, data, distributed, machine, precision, storage
 from jaxlm.errors import UserError
 from jaxlm.loading import resolve
 from jaxlm.train import cli, loop, optim, report, trainer as trainer_lib
@@ -279,6 +279,7 @@ def run(a: cli.Args) -> int:
     mngr.close()
     for sink in board:
         sink.close()
+    machine.return_freed_memory()  # the steps' temporaries, which the evaluation would sit on
     if len(history) > 1:
         (s0, m0), (s1, m1) = history[0], history[-1]
         print(f"loss {m0['loss']:.3f} -> {m1['loss']:.3f}, token accuracy {m0['accuracy']:.3f} -> "
