@@ -189,7 +189,7 @@ def compile_train_step(model, params, *, topology: str, mesh_spec="auto", lora_r
     built = abstract_trainer(model, params, mesh, lora_rank=lora_rank, layout=layout,
                              accum_steps=accum_steps, lora_alpha=lora_alpha,
                              lora_targets=lora_targets, trainable_dtype=trainable_dtype,
-                             chunk_logits=CHUNK_LOGITS["tpu"])
+                             chunk_logits=None if topology == "cpu" else CHUNK_LOGITS["tpu"])
     state, frozen = built.state, built.frozen
     batch = trainer.abstract_batch(batch_size, sequence_length, built.batch_sharding, accum_steps,
                                    packing)
