@@ -4,7 +4,7 @@
     python bench/memory.py --platform=cpu      # one CPU device: Gemma 2B LoRA vs full fine-tune
     options: [--topology=v3:2x2] [--presets=gemma_2b_en,gemma_7b_en] [--modes=lora|full|lora,full]
              [--layers=scan|unrolled|scan,unrolled] [--remat=both|on|off] [--lora_rank=4]
-             [--sequence_length=N] [--batch_size=N] [--mesh=1x8] [--dtype=D] [--layout=seed]
+             [--sequence_length=N] [--batch_size=N] [--mesh=1x8] [--dtype=D] [--layout=megatron]
 
 TPU (`--platform=tpu`, the default): `libtpu` compiles the step `train.py` runs (the same trainer
 builder, layout rules, LoRA merge and optimizer; see `jaxlm.train.aot`) for the named slice on
@@ -127,7 +127,7 @@ def run_tpu(args, modes, layer_forms) -> list[str]:
                     print(f"\n== {preset} ({policy.describe(bool(rank))}), "
                           f"{'LoRA rank ' + str(rank) if rank else 'full fine-tuning'}, "
                           f"batch {args.batch_size} x {args.sequence_length} tokens, mesh {args.mesh}, "
-                          f"layout {args.layout or 'seed'}, {'scan' if scan else 'unrolled'} layers, "
+                          f"layout {args.layout or 'megatron'}, {'scan' if scan else 'unrolled'} layers, "
                           f"remat {'on' if remat else 'off'}")
                     report, _ = aot.compile_train_step(
                         model, params, topology=topology, mesh_spec=args.mesh, lora_rank=rank,
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch_size", type=int, default=None, help="default: 8 (tpu), 2 (cpu)")
     p.add_argument("--mesh", default="1x8", help="tpu only")
     p.add_argument("--dtype", default=None, help="one dtype for parameters and compute (default: the policy)")
-    p.add_argument("--layout", default=None, help="seed (default) | keras")
+    p.add_argument("--layout", default=None, help="megatron (default) | seed | keras")
     p.add_argument("--remat", default=None, choices=["both", "on", "off"], help="default: both (tpu), off (cpu)")
     args = p.parse_args(argv)
     cpu = args.platform == "cpu"

@@ -13,7 +13,7 @@
           (`jaxlm.train.loss.cpu_budget`)
   layers  the LoRA step with the layer scan vs unrolled layers (and each one's compile time
           and XLA temporaries)
-  tables  the demo's LoRA step on `--mesh=1x8` with the seed layout table vs KerasHub's
+  tables  the demo's LoRA step on `--mesh=1x8` with the default (megatron) and seed tables vs KerasHub's
           (`--layout=keras`), unrolled layers as train.py runs it
   activations  the demo's LoRA step on `--mesh=1x8` with the seed table's activation rules
           (`sharding.activation_rules`: attention rows over both mesh axes) vs none (XLA's
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
                     model, params, tok, prompts, max_length=longest + 12, mesh=mesh))
         elif what == "tables":
             mesh, cfg = sharding.make_mesh("1x8", jax.devices()[:8]), config(source)
-            for layout in ("seed", "keras"):
+            for layout in ("megatron", "seed", "keras"):
                 model, params = load(source, sharding.placement(mesh, sharding.rules_for(cfg, layout)))
                 model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
                 run, info[layout] = lora_step(model, params, mesh, args.batch, args.seq, layout=layout)

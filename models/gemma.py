@@ -273,7 +273,8 @@ class Gemma(nn.Module):
                 x, layer_cache = block(x, *inputs[block.local], layer_cache, cache_index)
                 if cache is not None:
                     new_cache[f"decoder_block_{i}"] = layer_cache
-        x = self.final_normalization(x)
+        # what the loss projects onto the vocabulary, split as a table may ask (`sharding.rules`)
+        x = layers.constrain(self.final_normalization(x), ("batch", None, "hidden"))
         out = x if return_hidden else soft_cap(self.token_embedding.attend(x), cfg.final_logit_soft_cap)
         return out if cache is None else (out, new_cache)
 

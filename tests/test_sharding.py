@@ -91,7 +91,7 @@ def test_non_dividing_dim_is_replicated_with_one_warning(caplog):
 def test_placement_creates_params_split_over_8_devices(capsys):
     mesh = sharding.make_mesh("1x8")
     model, _ = jaxlm.load("gemma_tiny", abstract=True)
-    rules = sharding.rules_for(model.config)
+    rules = sharding.rules_for(model.config, "seed")
     _, params = jaxlm.load("gemma_tiny", placement=sharding.placement(mesh, rules))
     q = params["decoder_block_1"]["attention"]["query"]["kernel"]  # [4, 128, 32]
     assert q.sharding.spec == P(None, "model", None) and len(q.sharding.device_set) == 8
@@ -108,6 +108,12 @@ def test_placement_creates_params_split_over_8_devices(capsys):
     assert any("pre_ffw_norm/scale" in l and "replicated" in l for l in lines)
     specs = sharding.named_shardings(params, rules, mesh)
     assert specs["decoder_block_1"]["attention"]["query"]["kernel"] == q.sharding
+    # the default table splits the embedding over the vocabulary and the FFN over its width
+    default = sharding.named_shardings(params, sharding.rules_for(model.config), mesh)
+    assert default["token_embedding"]["embeddings"].shard_shape((4096, 128)) == (512, 128)
+    assert default["decoder_block_1"]["ffw_gating"]["kernel"].shard_shape((128, 256)) == (128, 32)
+    assert default["decoder_block_1"]["ffw_linear"]["kernel"].shard_shape((256, 128)) == (32, 128)
+    assert default["decoder_block_1"]["attention"]["query"]["kernel"] == q.sharding
 
 
 def test_adapters_follow_their_kernel():
@@ -211,7 +217,9 @@ def test_constrain_splits_a_dim_over_the_axes_that_divide_it():
     assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(("batch", "model"), None)), 2)
     assert not y.sharding.is_fully_replicated and odd.sharding.is_fully_replicated
     cfg = jaxlm.load("gemma_tiny", abstract=True)[0].config
-    assert sharding.activation_rules(cfg) == {"attention_batch": ("batch", "model")}
+    assert sharding.activation_rules(cfg, "seed") == {"attention_batch": ("batch", "model")}
+    assert sharding.activation_rules(cfg) == {"attention_batch": ("batch", "model"),
+                                              "batch": ("batch",), "hidden": ("model",)}
     assert sharding.activation_rules(cfg, "keras") == {}
 
 
@@ -220,8 +228,10 @@ def test_the_step_takes_the_activation_rules_except_scanned_on_cpu():
     model = jaxlm.load("gemma_tiny", abstract=True)[0]
     unrolled = type(model)(model.config.replace(scan_layers=False))
     assert model.config.scan_layers and trainer.activation_rules(model, None, "cpu") == {}
-    assert trainer.activation_rules(unrolled, None, "cpu") == {"attention_batch": ("batch", "model")}
-    assert trainer.activation_rules(model, None, "tpu") == {"attention_batch": ("batch", "model")}
+    seed = {"attention_batch": ("batch", "model")}
+    assert trainer.activation_rules(unrolled, "seed", "cpu") == seed
+    assert trainer.activation_rules(model, "seed", "tpu") == seed
+    assert trainer.activation_rules(model, None, "tpu") == sharding.activation_rules(model.config)
     assert trainer.activation_rules(model, "keras", "tpu") == {}
 
 
@@ -233,14 +243,14 @@ def test_seed_table_splits_attention_rows_with_the_same_step():
     from jaxlm.train import loss as L, optim, trainer
     mesh = sharding.make_mesh("1x8")
     cfg = jaxlm.load("gemma_tiny", abstract=True)[0].config
-    rules = sharding.rules_for(cfg)
+    rules = sharding.rules_for(cfg, "seed")
     model, params = jaxlm.load("gemma_tiny", placement=sharding.placement(mesh, rules, quiet=True))
     model = trainer.training_model(model, lora=True, platform="cpu")  # unrolled, as train.py
     tok = jaxlm.load_tokenizer("gemma_tiny")
     ids, mask = data.pack(tok, data.format_examples(data.builtin_dataset()[0], data.TEMPLATE), 24)
     batch = data.host_batch(ids, mask, 0, batch_size=8)
     out = {}
-    for name, acts in (("table", trainer.activation_rules(model, None, "cpu")), ("partitioner", None)):
+    for name, acts in (("table", trainer.activation_rules(model, "seed", "cpu")), ("partitioner", None)):
         built = trainer.build(params, mesh, param_specs=sharding.partition_specs(params, rules, mesh),
                               loss_fn=L.lm_loss_fn(model), optimizer=optim.make_optimizer(),
                               lora=trainer.LoraSpec(4), activations=acts)
@@ -252,3 +262,39 @@ def test_seed_table_splits_attention_rows_with_the_same_step():
     np.testing.assert_allclose(out["table"][1], out["partitioner"][1], rtol=1e-5)
     for k, v in out["table"][2].items():
         np.testing.assert_allclose(np.asarray(v), np.asarray(out["partitioner"][2][k]), rtol=1e-4, atol=1e-6)
+
+
+def test_megatron_table_splits_the_loss_block_and_trains_as_the_seed_table():
+    """The default table splits the tied embedding over the vocabulary and the FFN over its
+    width: on 1x8 each device projects onto 1/8 of the vocabulary (no [B, C, V] block), keeps
+    [N, F / 8] FFN products, needs fewer temporaries than with the seed's table, and a LoRA
+    step updates the adapters as the seed's table does."""
+    from jaxlm import data
+    from jaxlm.train import loss as L, optim, trainer
+    mesh = sharding.make_mesh("1x8")
+    tok = jaxlm.load_tokenizer("gemma_tiny")
+    ids, mask = data.pack(tok, data.format_examples(data.builtin_dataset()[0], data.TEMPLATE), 24)
+    batch = data.host_batch(ids, mask, 0, batch_size=8)
+    out = {}
+    for layout in ("megatron", "seed"):
+        cfg = jaxlm.load("gemma_tiny", abstract=True)[0].config
+        rules = sharding.rules_for(cfg, layout)
+        model, params = jaxlm.load("gemma_tiny", placement=sharding.placement(mesh, rules, quiet=True))
+        model = trainer.training_model(model, lora=True, platform="cpu")
+        built = trainer.build(params, mesh, param_specs=sharding.partition_specs(params, rules, mesh),
+                              loss_fn=L.lm_loss_fn(model), optimizer=optim.make_optimizer(),
+                              lora=trainer.LoraSpec(4),
+                              activations=trainer.activation_rules(model, layout, "cpu"))
+        compiled = built.step.lower(built.state, built.frozen, batch).compile()
+        text = compiled.as_text()
+        state, metrics = built.step(built.state, built.frozen, batch)
+        state, metrics = built.step(state, built.frozen, batch)
+        out[layout] = (text, compiled.memory_analysis().temp_size_in_bytes, float(metrics["loss"]),
+                       flatten(state["trainable"]))
+    megatron, seed = out["megatron"], out["seed"]
+    assert ",4096]" in seed[0] and ",4096]" not in megatron[0]  # [.., V] blocks: the seed's only
+    assert "f32[192,256]" in seed[0] and "f32[192,256]" not in megatron[0]  # [N, F], N = 8 x 24
+    assert megatron[1] < seed[1]
+    np.testing.assert_allclose(megatron[2], seed[2], rtol=1e-5)
+    for k, v in megatron[3].items():
+        np.testing.assert_allclose(np.asarray(v), np.asarray(seed[3][k]), rtol=1e-4, atol=1e-6)

@@ -99,8 +99,8 @@ def test_lora_step_is_sharded_and_trains_only_adapters(model_params, mesh):
     before = jax.tree.map(np.asarray, params)
     state, fn = _lora_step(model, params, mesh, 1)
     emb = params["token_embedding"]["embeddings"]
-    assert emb.sharding.spec == P(None, "model") and len(emb.addressable_shards) == 8
-    assert emb.addressable_shards[0].data.shape == (CFG.vocab_size, CFG.hidden_dim // 8)
+    assert emb.sharding.spec == P("model", None) and len(emb.addressable_shards) == 8
+    assert emb.addressable_shards[0].data.shape == (CFG.vocab_size // 8, CFG.hidden_dim)
     a0 = jax.tree.map(np.asarray, state["trainable"])
     batch = batch_of(8, seed=1)
     losses = []
@@ -134,7 +134,7 @@ def test_full_finetune_step(model_params, mesh):
     assert float(m2["loss"]) < float(m1["loss"])
     assert S.shardings_of(state) == shardings
     ffw = state["trainable"]["decoder_block_1"]["ffw_gating"]["kernel"]
-    assert ffw.sharding.spec == P("model", None)
+    assert ffw.sharding.spec == P(None, "model")
 
 
 def test_bfloat16_and_remat_match_float32(model_params, mesh):

@@ -32,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
                          "seed": 0, "out": "runs/default", "save_every": 50, "keep": 3,
                          "log_every": 10}, helps={
         "mesh": "DxM devices on (batch, model), e.g. 1x8; auto = 1xN",
-        "layout": "sharding table: seed (the article's) | keras (get_layout_map)",
+        "layout": "sharding table: megatron (default: embedding over the vocabulary, FFN over its "
+                  "width) | seed (the article's) | keras (get_layout_map)",
         "steps": f"default: 1 epoch with --data, {TOY_STEPS} built-in",
         "learning_rate": f"default 5e-5 (the seed's); for the random toy default "
                          f"{TOY_LEARNING_RATE} (LoRA) or {TOY_FULL_LEARNING_RATE} (full)"})
