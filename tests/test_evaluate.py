@@ -101,3 +101,20 @@ def test_back_and_place_put_each_shard_in_its_own_buffer():
     back = _back(_on_one_device(placed), rows)
     assert back.sharding == rows and [s.data.shape for s in back.addressable_shards] == [(8, 16)] * 8
     np.testing.assert_array_equal(np.asarray(back), host)
+
+
+def test_to_host_writes_each_block_once_into_a_buffer_the_cpu_adopts():
+    """A replicated array is written from one replica, not once per device, and the host
+    buffer is aligned so that `jax.device_put` on CPU uses it in place."""
+    from unittest import mock
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jaxlm.tree import place, to_host
+    mesh = sharding.make_mesh("2x4")
+    host = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+    for spec, blocks in ((P(), 1), (P("model", None), 4), (P("batch", "model"), 8)):
+        x = place(host, NamedSharding(mesh, spec))
+        with mock.patch("numpy.asarray", wraps=np.asarray) as read:
+            got = to_host(x)
+        np.testing.assert_array_equal(got, host)
+        assert read.call_count == blocks, (spec, read.call_count)
+        assert jax.device_put(got, jax.devices()[0]).unsafe_buffer_pointer() == got.ctypes.data

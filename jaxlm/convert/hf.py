@@ -29,7 +29,7 @@ from jaxlm.convert import hf_gemma, hf_roberta
 from jaxlm.convert.hf_tensors import MAX_SHARD_BYTES, Reader, write_folder_weights
 from jaxlm.convert.hf_tokenizer import write_tokenizer
 from jaxlm.errors import UserError
-from jaxlm.tree import flatten, place_streamed
+from jaxlm.tree import flatten, place_streamed, to_host
 
 FORMATS = {"gemma": hf_gemma, "roberta": hf_roberta}  # family name -> its HF mapping
 CONFIG = "config.json"
@@ -169,16 +169,11 @@ def _host_array(x) -> np.ndarray:
     """`x` whole in host memory. An array spread over several processes is gathered a block of
     rows at a time: `process_allgather` replicates what it gathers on every device, so Gemma 3
     270M's 0.67 GB embedding at once took each of 2 processes x 4 devices to 6.2 GB. An array
-    of this process is assembled from its shards: `jax.device_get` kept each host copy cached
-    on its array, the whole model's 1.07 GB for as long as the weights lived."""
+    of this process is assembled from its shards (`jaxlm.tree.to_host`)."""
     if not isinstance(x, jax.Array):
         return np.asarray(x)
     if x.is_fully_addressable:
-        out = np.empty(x.shape, x.dtype)
-        for shard in x.addressable_shards:
-            if shard.replica_id == 0:
-                out[shard.index] = np.asarray(shard.data)
-        return out
+        return to_host(x)
     from jax.experimental import multihost_utils
     if x.ndim == 0 or x.nbytes <= GATHER_BYTES:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
