@@ -17,6 +17,7 @@ files in `hf_tokenizer`; this module checks a folder against them and streams th
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import re
@@ -166,10 +167,12 @@ GATHER_BYTES = int(os.environ.get("JAXLM_GATHER_BYTES", 64 << 20))
 
 
 def _host_array(x) -> np.ndarray:
-    """`x` whole in host memory. An array spread over several processes is gathered a block of
-    rows at a time: `process_allgather` replicates what it gathers on every device, so Gemma 3
-    270M's 0.67 GB embedding at once took each of 2 processes x 4 devices to 6.2 GB. An array
-    of this process is assembled from its shards (`jaxlm.tree.to_host`)."""
+    """`x` whole in host memory. An array of this process is assembled from its shards
+    (`jaxlm.tree.to_host`). One spread over several processes is gathered a block at a time
+    along an axis its sharding leaves whole: `process_allgather` replicates what it gathers on
+    every device, so Gemma 3 270M's 0.67 GB embedding at once took each of 2 processes x 4
+    devices to 6.2 GB; and a block of rows of that embedding split over the vocabulary made
+    the partitioner gather all of it onto every device first (4.3 GB per process)."""
     if not isinstance(x, jax.Array):
         return np.asarray(x)
     if x.is_fully_addressable:
@@ -177,11 +180,25 @@ def _host_array(x) -> np.ndarray:
     from jax.experimental import multihost_utils
     if x.ndim == 0 or x.nbytes <= GATHER_BYTES:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    step = max(1, GATHER_BYTES // (x.nbytes // x.shape[0]))
+    axis = gather_axis(x)
+    step = max(1, GATHER_BYTES // (x.nbytes // x.shape[axis]))
     out = np.empty(x.shape, x.dtype)
-    for r in range(0, x.shape[0], step):
-        out[r:r + step] = np.asarray(multihost_utils.process_allgather(x[r:r + step], tiled=True))
+    for r in range(0, x.shape[axis], step):
+        block = _block(x, r, min(step, x.shape[axis] - r), axis)
+        out[(slice(None),) * axis + (slice(r, r + step),)] = np.asarray(
+            multihost_utils.process_allgather(block, tiled=True))
     return out
+
+
+def gather_axis(x: jax.Array) -> int:
+    """The longest axis that `x`'s sharding does not split (0 if it splits every axis)."""
+    whole = [i for i, (n, m) in enumerate(zip(x.shape, x.sharding.shard_shape(x.shape))) if n == m]
+    return max(whole, key=lambda i: x.shape[i], default=0)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _block(x, start, size, axis):
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
 def usage(model_dir: str, config, adapter_dir: str | None = None) -> list[str]:
