@@ -58,7 +58,7 @@ def lm_runs(tmp_path_factory):
     """The same LoRA run on 2 hosts x 4 devices (via the launcher) and on 1 host x 8 devices."""
     root = tmp_path_factory.mktemp("lm")
     two, one = str(root / "two"), str(root / "one")
-    # 4 KiB gathers: the Hugging Face base export takes its row-block path on this tiny model
+    # 4 KiB gathers: the Hugging Face base export takes its block path on this tiny model
     log = _run(LAUNCH + TRAIN + LM + [f"--out={two}"], env={**os.environ, "JAXLM_GATHER_BYTES": "4096"})
     _run(TRAIN + LM + [f"--out={one}"])
     return root, two, one, log
@@ -74,7 +74,7 @@ def test_lm_two_hosts_train_what_one_host_trains(lm_runs):
     from safetensors.numpy import load_file
     ta, tb = (load_file(os.path.join(d, "base_hf", "model.safetensors")) for d in (two, one))
     assert ta.keys() == tb.keys() and max(v.nbytes for v in ta.values()) > 4096
-    for k in ta:  # gathered from both hosts in row blocks: the same bytes
+    for k in ta:  # gathered from both hosts in blocks: the same bytes
         np.testing.assert_array_equal(ta[k], tb[k], err_msg=k)
     # Progress and the export report come from process 0 only; both processes ran.
     assert "[p0] exported to" in log and "[p1] exported" not in log

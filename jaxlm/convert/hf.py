@@ -144,11 +144,13 @@ def write_folder(out_dir: str, config, params: dict, tokenizer=None, *,
     hf.update(dtype=dtype, torch_dtype=dtype)
     specs = [(key, shape, dtype) for t in table.values() for key, shape in zip(t.keys, t.shapes)]
 
+    lead = jax.process_index() == 0
+
     def arrays():
         for path, t in table.items():
-            yield from (w.astype(dtype, copy=False) for w in t.to_hf(_host_array(flat[path])))
-
-    lead = jax.process_index() == 0
+            host = _host_array(flat[path], keep=lead)
+            yield from ((w.astype(dtype, copy=False) for w in t.to_hf(host)) if lead else
+                        (None for _ in t.keys))  # the others only take part in the gathers
     if lead:
         storage.makedirs(out_dir)
     names = write_folder_weights(out_dir, specs, arrays(), max_shard_bytes, write=lead)
@@ -166,27 +168,31 @@ def write_folder(out_dir: str, config, params: dict, tokenizer=None, *,
 GATHER_BYTES = int(os.environ.get("JAXLM_GATHER_BYTES", 64 << 20))
 
 
-def _host_array(x) -> np.ndarray:
-    """`x` whole in host memory. An array of this process is assembled from its shards
-    (`jaxlm.tree.to_host`). One spread over several processes is gathered a block at a time
-    along an axis its sharding leaves whole: `process_allgather` replicates what it gathers on
-    every device, so Gemma 3 270M's 0.67 GB embedding at once took each of 2 processes x 4
-    devices to 6.2 GB; and a block of rows of that embedding split over the vocabulary made
-    the partitioner gather all of it onto every device first (4.3 GB per process)."""
+def _host_array(x, keep: bool = True) -> np.ndarray | None:
+    """`x` whole in host memory (keep=False: only take part in the gathers, for a process that
+    does not write; it held the demo's whole 0.67 GB embedding for nothing). An array of this
+    process is assembled from its shards (`jaxlm.tree.to_host`). One spread over several
+    processes is gathered a block at a time along an axis its sharding leaves whole:
+    `process_allgather` replicates what it gathers on every device, so Gemma 3 270M's 0.67 GB
+    embedding at once took each of 2 processes x 4 devices to 6.2 GB; and a block of rows of
+    that embedding split over the vocabulary made the partitioner gather all of it onto every
+    device first (4.3 GB per process)."""
     if not isinstance(x, jax.Array):
         return np.asarray(x)
     if x.is_fully_addressable:
         return to_host(x)
     from jax.experimental import multihost_utils
     if x.ndim == 0 or x.nbytes <= GATHER_BYTES:
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        whole = multihost_utils.process_allgather(x, tiled=True)  # every process must call it
+        return np.asarray(whole) if keep else None
     axis = gather_axis(x)
     step = max(1, GATHER_BYTES // (x.nbytes // x.shape[axis]))
-    out = np.empty(x.shape, x.dtype)
+    out = np.empty(x.shape, x.dtype) if keep else None
     for r in range(0, x.shape[axis], step):
-        block = _block(x, r, min(step, x.shape[axis] - r), axis)
-        out[(slice(None),) * axis + (slice(r, r + step),)] = np.asarray(
-            multihost_utils.process_allgather(block, tiled=True))
+        block = multihost_utils.process_allgather(
+            _block(x, r, min(step, x.shape[axis] - r), axis), tiled=True)
+        if keep:
+            out[(slice(None),) * axis + (slice(r, r + step),)] = block
     return out
 
 
