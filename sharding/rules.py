@@ -103,7 +103,7 @@ ACTIVATIONS = {
 def rules_for(config, layout: str | None = None) -> Rules:
     """The rule table for a model config (dispatch on `config.family`).
 
-    layout: a table name of that family; None -> the family default ("seed" for Gemma,
+    layout: a table name of that family; None -> the family default ("megatron" for Gemma,
     "data" for RoBERTa).
     """
     family = getattr(config, "family", None)
