@@ -105,6 +105,21 @@ def test_prompt_length_changes_within_a_bucket_compile_once(gemma):
     assert decode.TRACES - before == 1
 
 
+def test_batches_past_eight_rows_pad_to_a_multiple_of_eight(gemma):
+    """40 prompts (the demo's evaluation) run as 40 rows, not 64; 33 share their program."""
+    from unittest import mock
+    assert [decode.batch_bucket(n) for n in (1, 3, 5, 8, 9, 33, 40, 41)] == [1, 4, 8, 8, 16, 40, 40, 48]
+    _, _, model, params, tok = gemma
+    decode.clear_cache()
+    before = decode.TRACES
+    with mock.patch.object(decode, "_compiled", wraps=decode._compiled) as compiled:
+        for n in (33, 40):
+            ids, _ = decode.generate_ids(model, params, *_encode(tok, (PROMPTS * 40)[:n]), MAX_LENGTH)
+            assert ids.shape[0] == n
+    assert decode.TRACES - before == 1
+    assert [c.args[2] for c in compiled.call_args_list] == [40, 40]
+
+
 @pytest.mark.parametrize("shape", ["1x8", "2x4"])
 def test_mesh_gives_the_unsharded_strings(gemma, shape):
     import sharding
