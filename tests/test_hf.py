@@ -446,3 +446,19 @@ def test_a_block_for_the_gather_leaves_the_split_axis_split():
     hlo = hf._block.lower(x, 0, 16, hf.gather_axis(x)).compile().as_text()
     assert "all-gather" not in hlo and "all-reduce" not in hlo
     assert "all-gather" in hf._block.lower(x, 0, 16, 0).compile().as_text()  # the cut it avoids
+
+
+def test_a_tensor_is_written_a_block_of_rows_at_a_time(tmp_path):
+    """`Rows` (a multi-host export's gathered blocks) write the same bytes as the whole array,
+    and blocks that do not add up to the header's size fail the file."""
+    from jaxlm.convert.hf_tensors import Reader, Rows, write_file
+    whole = np.arange(10 * 6, dtype=np.float32).reshape(10, 6)
+    specs = [("w", whole.shape, "float32")]
+    write_file(str(tmp_path / "model.safetensors"), specs,
+               iter([Rows(whole.shape, whole.dtype, (whole[i:i + 3] for i in range(0, 10, 3)))]))
+    with Reader(str(tmp_path)) as r:
+        np.testing.assert_array_equal(r.get("w"), whole)
+    with pytest.raises(RuntimeError, match="bytes written"):
+        write_file(str(tmp_path / "short.safetensors"), specs,
+                   iter([Rows(whole.shape, whole.dtype, iter([whole[:9]]))]))
+    assert not os.path.exists(tmp_path / "short.safetensors")

@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxlm import families, storage
 from jaxlm.convert import hf_gemma, hf_roberta
-from jaxlm.convert.hf_tensors import MAX_SHARD_BYTES, Reader, write_folder_weights
+from jaxlm.convert.hf_tensors import MAX_SHARD_BYTES, Reader, Rows, write_folder_weights
 from jaxlm.convert.hf_tokenizer import write_tokenizer
 from jaxlm.errors import UserError
 from jaxlm.tree import flatten, place_streamed, to_host
@@ -148,9 +148,18 @@ def write_folder(out_dir: str, config, params: dict, tokenizer=None, *,
 
     def arrays():
         for path, t in table.items():
-            host = _host_array(flat[path], keep=lead)
+            x = flat[path]
+            if t.as_is and _by_rows(x):
+                blocks = (b.astype(dtype, copy=False) for b in _row_blocks(x))
+                if lead:
+                    yield Rows(x.shape, np.dtype(dtype), blocks)
+                else:  # the others only take part in the gathers
+                    collections.deque(blocks, maxlen=0)
+                    yield None
+                continue
+            host = _host_array(x, keep=lead)
             yield from ((w.astype(dtype, copy=False) for w in t.to_hf(host)) if lead else
-                        (None for _ in t.keys))  # the others only take part in the gathers
+                        (None for _ in t.keys))
     if lead:
         storage.makedirs(out_dir)
     names = write_folder_weights(out_dir, specs, arrays(), max_shard_bytes, write=lead)
@@ -194,6 +203,38 @@ def _host_array(x, keep: bool = True) -> np.ndarray | None:
         if keep:
             out[(slice(None),) * axis + (slice(r, r + step),)] = block
     return out
+
+
+def _by_rows(x) -> bool:
+    """Whether `x` is spread over several processes, split on its first axis only, and larger
+    than one gather: `_row_blocks` then hands it to the writer without its whole host copy."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.nbytes <= GATHER_BYTES:
+        return False
+    split = [n != m for n, m in zip(x.shape, x.sharding.shard_shape(x.shape))]
+    return split[0] and not any(split[1:])
+
+
+def _row_blocks(x):
+    """`x` (`_by_rows`) as host blocks of rows in order, each gathered from the process that
+    holds it; every process must iterate them all. A block is at most GATHER_BYTES over all
+    of this process's devices: `process_allgather` copies its input to each local device and
+    its output, one block per process, to each again."""
+    from jax.experimental import multihost_utils
+    owner, local = {}, {}
+    for device, index in x.sharding.devices_indices_map(x.shape).items():
+        rows = index[0].indices(x.shape[0])[:2]
+        owner[rows] = min(owner.get(rows, device.process_index), device.process_index)
+    for shard in x.addressable_shards:
+        local[shard.index[0].indices(x.shape[0])[:2]] = shard.data
+    per_round = jax.local_device_count() * (1 + jax.process_count())
+    step = max(1, GATHER_BYTES // per_round // (x.nbytes // x.shape[0]))
+    me = jax.process_index()
+    for (start, stop), p in sorted(owner.items()):
+        for r in range(start, stop, step):
+            n = min(step, stop - r)
+            mine = (np.asarray(local[start, stop][r - start:r - start + n]) if p == me
+                    else np.zeros((n,) + x.shape[1:], x.dtype))
+            yield multihost_utils.process_allgather(mine, tiled=False)[p]
 
 
 def gather_axis(x: jax.Array) -> int:

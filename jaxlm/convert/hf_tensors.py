@@ -44,11 +44,12 @@ class Tensor(NamedTuple):
     to_ours: Callable
     to_hf: Callable
     lora: str | None = None
+    as_is: bool = False  # to_hf and to_ours return the array unchanged
 
 
 def same(key: str, shape) -> Tensor:
     """Norm scales, biases, embeddings: stored as we store them."""
-    return Tensor(tuple(shape), (key,), (tuple(shape),), lambda w: w, lambda w: (w,))
+    return Tensor(tuple(shape), (key,), (tuple(shape),), lambda w: w, lambda w: (w,), as_is=True)
 
 
 def linear(key: str, shape) -> Tensor:
@@ -181,10 +182,18 @@ def nbytes(spec) -> int:
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
-def write_file(path: str, specs: list[tuple[str, tuple, str]], arrays: Iterator[np.ndarray],
+class Rows(NamedTuple):
+    """A tensor handed to `write_file` a block of rows at a time, in order, so that it is never
+    whole in host memory (a multi-host export gathers the demo's 0.67 GB embedding this way)."""
+    shape: tuple
+    dtype: np.dtype
+    blocks: Iterable[np.ndarray]
+
+
+def write_file(path: str, specs: list[tuple[str, tuple, str]], arrays: Iterator[np.ndarray | Rows],
                metadata: dict | None = None) -> None:
     """Stream one safetensors file: header from `specs` [(key, shape, dtype)], then the data of
-    each array `arrays` yields (in spec order, checked). Written under a temporary name and
+    each array (or `Rows`) `arrays` yields (in spec order, checked). Written under a temporary name and
     renamed when complete, so a crash never leaves a short file under the final name."""
     header, offset = {"__metadata__": {"format": "pt", **(metadata or {})}}, 0
     for spec in specs:
@@ -202,7 +211,14 @@ def write_file(path: str, specs: list[tuple[str, tuple, str]], arrays: Iterator[
             if tuple(arr.shape) != tuple(shape) or arr.dtype != np.dtype(dtype):
                 raise RuntimeError(f"{key}: got {arr.shape} {arr.dtype}, header says {shape} {dtype}")
             # The array's own bytes, not `tobytes()`'s copy (0.67 GB for Gemma 3 270M's embedding).
-            f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+            written = 0
+            for block in (arr.blocks if isinstance(arr, Rows) else (arr,)):
+                data = np.ascontiguousarray(block, arr.dtype).reshape(-1).view(np.uint8)
+                f.write(data)
+                written += data.nbytes
+                del block, data
+            if written != nbytes((key, shape, dtype)):
+                raise RuntimeError(f"{key}: {written} bytes written, header says {nbytes((key, shape, dtype))}")
             del arr
     if storage.exists(path):  # rename does not overwrite on every backend
         storage.remove_tree(path)
