@@ -98,14 +98,16 @@ def _stop_ids(tokenizer, stop_token_ids) -> tuple[int, ...]:
 
 
 def place(model, params, mesh):
-    """Parameters onto `mesh` by the family's layout rules (leaves already there are kept)."""
+    """Parameters onto `mesh` by the family's default layout rules. Leaves already on `mesh`
+    are kept under whatever table placed them (the decoder takes any): re-placing weights
+    trained under `--layout=seed` copied each one for every evaluation."""
     import sharding
     from jaxlm.tree import flatten, unflatten
     targets = flatten(sharding.named_shardings(params, sharding.rules_for(model.config), mesh))
     out = {}
     for path, x in flatten(params).items():
-        same = isinstance(x, jax.Array) and x.sharding.is_equivalent_to(targets[path], x.ndim)
-        out[path] = x if same else jax.device_put(x, targets[path])
+        there = isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) == mesh
+        out[path] = x if there else jax.device_put(x, targets[path])
     return unflatten(out)
 
 

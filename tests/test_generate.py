@@ -122,6 +122,7 @@ def test_batches_past_eight_rows_pad_to_a_multiple_of_eight(gemma):
 
 @pytest.mark.parametrize("shape", ["1x8", "2x4"])
 def test_mesh_gives_the_unsharded_strings(gemma, shape):
+    import jax
     import sharding
     _, _, model, params, tok = gemma
     expected = generate(model, params, tok, PROMPTS, max_length=MAX_LENGTH)
@@ -135,6 +136,11 @@ def test_mesh_gives_the_unsharded_strings(gemma, shape):
     placed = place(model, params, mesh)
     kernel = placed["decoder_block_0"]["ffw_gating"]["kernel"]
     assert len(kernel.sharding.device_set) == 8 and not kernel.sharding.is_fully_replicated
+    # weights already on the mesh under another table are decoded where they are
+    seeded = jax.tree.map(jax.device_put, params, sharding.named_shardings(
+        params, sharding.rules_for(model.config, "seed"), mesh))
+    assert all(a is b for a, b in zip(jax.tree.leaves(place(model, seeded, mesh)), jax.tree.leaves(seeded)))
+    assert generate(model, seeded, tok, PROMPTS, max_length=MAX_LENGTH, mesh=mesh) == expected
 
 
 def test_lora_adapters_are_merged_before_decoding(gemma):
