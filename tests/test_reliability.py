@@ -299,8 +299,8 @@ def test_second_ctrl_c_and_ctrl_c_at_start_up_are_one_line(tmp_path):
         import time, jax.numpy as jnp
         from jaxlm.errors import cli
         from jaxlm.train import loop
-        def step(state, frozen, batch):
-            time.sleep(0.2)
+        def step(state, frozen, batch):  # long, so that both signals land inside one step:
+            time.sleep(2.0)  # a loop that stopped in between has given SIGINT back (-2, not 130)
             return {"step": state["step"] + 1}, {"loss": 1.0, "accuracy": 0.0, "count": 1.0}
         print("ready", flush=True)
         cli(lambda: loop.run(step, {"step": jnp.int32(0)}, None, lambda s: None, num_steps=1000,
@@ -311,7 +311,7 @@ def test_second_ctrl_c_and_ctrl_c_at_start_up_are_one_line(tmp_path):
     assert proc.stdout.readline().strip() == "ready"
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.05)
+    time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
