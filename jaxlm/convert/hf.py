@@ -210,7 +210,7 @@ def _by_rows(x) -> bool:
     than one gather: `_row_blocks` then hands it to the writer without its whole host copy."""
     if not isinstance(x, jax.Array) or x.is_fully_addressable or x.nbytes <= GATHER_BYTES:
         return False
-    split = [n != m for n, m in zip(x.shape, x.sharding.shard_shape(x.shape))]
+    split = _split_axes(x)
     return split[0] and not any(split[1:])
 
 
@@ -237,9 +237,14 @@ def _row_blocks(x):
             yield multihost_utils.process_allgather(mine, tiled=False)[p]
 
 
+def _split_axes(x: jax.Array) -> list[bool]:
+    """For each axis of `x`, whether its sharding splits it."""
+    return [n != m for n, m in zip(x.shape, x.sharding.shard_shape(x.shape))]
+
+
 def gather_axis(x: jax.Array) -> int:
     """The longest axis that `x`'s sharding does not split (0 if it splits every axis)."""
-    whole = [i for i, (n, m) in enumerate(zip(x.shape, x.sharding.shard_shape(x.shape))) if n == m]
+    whole = [i for i, split in enumerate(_split_axes(x)) if not split]
     return max(whole, key=lambda i: x.shape[i], default=0)
 
 
