@@ -86,10 +86,10 @@ def test_moved_holds_the_tree_once_plus_one_array():
     assert np.asarray(spread["s"]).tolist() == [0, 1, 2] and spread["s"].sharding == everywhere
 
 
-def test_back_and_place_put_each_shard_in_its_own_buffer():
-    """Onto a sharding split on the first axis: the one-device array goes back shard by shard
-    (`_back`), and a host array is placed as copies of its slices (`jaxlm.tree.place`), not
-    as views that keep the whole host array alive under every shard."""
+def test_back_reuses_the_buffer_and_place_copies_each_shard():
+    """Onto a sharding split on the first axis: the one-device array goes back as views of its
+    own buffer (`_back`: the weights are not copied), and a host array is placed as copies of
+    its slices (`jaxlm.tree.place`), not as views that keep a temporary host array alive."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from jaxlm.train.evaluate import _back, _on_one_device
     from jaxlm.tree import place
@@ -98,9 +98,16 @@ def test_back_and_place_put_each_shard_in_its_own_buffer():
     placed = place(host, rows)
     start, end = host.ctypes.data, host.ctypes.data + host.nbytes
     assert not any(start <= s.data.unsafe_buffer_pointer() < end for s in placed.addressable_shards)
-    back = _back(_on_one_device(placed), rows)
+    one = _on_one_device(placed)
+    base = one.unsafe_buffer_pointer()
+    back = _back(np.asarray(one), rows)
+    del one  # the shards keep its buffer alive
     assert back.sharding == rows and [s.data.shape for s in back.addressable_shards] == [(8, 16)] * 8
+    assert [s.data.unsafe_buffer_pointer() - base for s in back.addressable_shards] == [
+        i * 8 * 16 * 4 for i in range(8)]
     np.testing.assert_array_equal(np.asarray(back), host)
+    columns = NamedSharding(rows.mesh, P(None, "model"))  # not contiguous: copied
+    np.testing.assert_array_equal(np.asarray(_back(np.asarray(_on_one_device(placed)), columns)), host)
 
 
 def test_to_host_writes_each_block_once_into_a_buffer_the_cpu_adopts():
@@ -118,3 +125,37 @@ def test_to_host_writes_each_block_once_into_a_buffer_the_cpu_adopts():
         np.testing.assert_array_equal(got, host)
         assert read.call_count == blocks, (spec, read.call_count)
         assert jax.device_put(got, jax.devices()[0]).unsafe_buffer_pointer() == got.ctypes.data
+
+
+def test_a_second_evaluation_finds_the_weights_where_the_first_left_them(monkeypatch):
+    """A weight split on its first axis goes back as views of its one-device buffer, and the
+    next evaluation uses that buffer as it is: the demo's 0.67 GB embedding is copied once, not
+    at every evaluation. A weight replaced in between is copied, and the old one is not kept."""
+    import gc
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jaxlm.tree import place
+    mesh = sharding.make_mesh("1x8")
+    rows, columns = NamedSharding(mesh, P("model", None)), NamedSharding(mesh, P(None, "model"))
+    want = {"r": np.arange(64 * 16, dtype=np.float32).reshape(64, 16), "c": np.ones((16, 64), np.float32)}
+    params = {"r": place(want["r"], rows), "c": place(want["c"], columns)}
+    ours = Evaluator(None, data.TEMPLATE, None, [], eval_examples=0, max_new_tokens=1, mesh=mesh)
+    seen = []
+
+    def evaluate(when, model, p, adapters):
+        seen.append({k: v.unsafe_buffer_pointer() for k, v in p.items()})
+        for k, v in p.items():
+            np.testing.assert_array_equal(np.asarray(v), want[k])
+        return {}
+    monkeypatch.setattr(ours, "_evaluate", evaluate)
+    _, params = ours("before", None, params)
+    assert params["r"].addressable_shards[0].data.unsafe_buffer_pointer() == seen[0]["r"]
+    _, params = ours("after", None, params)
+    assert seen[1]["r"] == seen[0]["r"]  # found where it was left: not moved
+    assert params["r"].sharding == rows and params["c"].sharding == columns
+    (home,) = [ref for ref, *_ in ours._homes.values()]
+    want["r"] = want["r"] + 1
+    params["r"] = place(want["r"], rows)  # the training replaced it
+    gc.collect()
+    assert home() is None  # the evaluator kept nothing of the old weight
+    _, params = ours("again", None, params)
+    np.testing.assert_array_equal(np.asarray(params["r"]), want["r"])

@@ -15,11 +15,16 @@ elementwise op, on the same few cores: 40 greedy prompts of the demo's Gemma 3 2
 on the 8 simulated devices and 8 s on one (`python bench/real_step_ab.py --what=generate`).
 The numbers are the same computation; only the order of the sharded sums differs. The weights
 are moved there and back (`moved`), not copied: all 8 simulated devices live in this process's
-memory, and a copy held the demo's 1.07 GB of weights twice for the evaluation.
+memory, and a copy held the demo's 1.07 GB of weights twice for the evaluation. A weight split
+on its first axis goes back as views of its one-device buffer, so the next evaluation finds it
+there whole and moves nothing.
 """
 from __future__ import annotations
 
+import weakref
+
 import jax
+import numpy as np
 
 from jaxlm import data, machine
 from jaxlm.tree import to_host
@@ -54,7 +59,7 @@ def moved(tree, put, to=None):
     for i in range(len(leaves)):
         x, leaves[i] = leaves[i], None
         y = put(x, targets[i] if targets is not None else None)
-        if not _shares_a_buffer(x, y):
+        if not x.is_deleted() and not _shares_a_buffer(x, y):
             x.delete()
         del x
         out.append(y)
@@ -66,12 +71,21 @@ def _shares_a_buffer(x, y) -> bool:
     return any(s.data.unsafe_buffer_pointer() in theirs for s in x.addressable_shards)
 
 
-def _back(x, sharding):
-    """One-device `x` onto `sharding`, one shard at a time: `jax.device_put` of the whole array
-    to a sharding split on its first axis held 1.1 GB beyond the demo's 0.67 GB embedding."""
-    shards = [jax.device_put(x[index], device).block_until_ready()
-              for device, index in sharding.addressable_devices_indices_map(x.shape).items()]
-    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+def _back(host, sharding):
+    """Host array `host` (the buffer of a one-device array) onto `sharding`, one shard at a
+    time, each a view of `host` where XLA:CPU adopts it as it is (a block of rows: a split on
+    the first axis), so the demo's 0.67 GB embedding goes back without a copy, its shards
+    keeping the buffer alive (slicing the one-device array raised the peak by a shard at a
+    time, and `jax.device_put` of the whole of it by 1.1 GB). Other splits copy their shards."""
+    shards = [jax.device_put(host[index], device).block_until_ready()
+              for device, index in sharding.addressable_devices_indices_map(host.shape).items()]
+    return jax.make_array_from_single_device_arrays(host.shape, sharding, shards)
+
+
+def _views_of(x, host) -> bool:
+    """Whether every shard of `x` is the matching block of `host`'s own memory."""
+    return x.shape == host.shape and x.dtype == host.dtype and all(
+        s.data.unsafe_buffer_pointer() == host[s.index].ctypes.data for s in x.addressable_shards)
 
 
 class Evaluator:
@@ -84,6 +98,10 @@ class Evaluator:
         self.tokenizer, self.max_new_tokens = tokenizer, max_new_tokens
         self.one_device = simulated(mesh)  # see the module docstring
         self.mesh = None if self.one_device else mesh
+        # The weights that went back as views (`_back`): shard 0's address -> (a weak reference
+        # to `to_host`'s bytes, the weight's offset, shape and dtype in them). Weak, so that
+        # weights the training replaced are not kept alive here.
+        self._homes: dict[int, tuple] = {}
         n = min(eval_examples, len(held)) if held is not None else 0
         self.eval_prompts = [data.prompt(template, i) for i in held.instructions[:n]] if n else []
         self.answers = held.outputs[:n] if n else []
@@ -102,12 +120,41 @@ class Evaluator:
         if not self.one_device:
             return self._evaluate(when, model, params, adapters), params
         where = jax.tree.map(lambda x: x.sharding, params)
-        here = [moved(params, lambda x, _: _on_one_device(x))]  # the one reference (see `moved`)
+        hosts = {}  # id of each one-device array -> its host buffer
+
+        def there(x, _):
+            host = self._home(x)
+            if host is None:  # a copy, x freed shard by shard as it is made
+                host = to_host(x, consume=True)
+            y = jax.device_put(host, jax.local_devices()[0]).block_until_ready()
+            hosts[id(y)] = host
+            return y
+
+        def back(y, sharding):
+            host = hosts.pop(id(y))
+            x = _back(host, sharding)
+            owner = host.base  # `to_host`'s raw bytes
+            if _views_of(x, host) and owner is not None and owner.dtype == np.uint8:
+                self._homes[x.addressable_shards[0].data.unsafe_buffer_pointer()] = (
+                    weakref.ref(owner), host.ctypes.data - owner.ctypes.data, host.shape, host.dtype)
+            return x
+        here = [moved(params, there)]  # the one reference (see `moved`)
         del params
+        self._homes.clear()  # what was worth finding has been found
         result = self._evaluate(when, model, here[0], jax.tree.map(_on_one_device, adapters))
-        params = moved(here.pop(), _back, where)
+        params = moved(here.pop(), back, where)
         machine.return_freed_memory()
         return result, params
+
+    def _home(self, x):
+        """The host buffer whose views `x`'s shards still are, if `_back` made them."""
+        home = self._homes.get(x.addressable_shards[0].data.unsafe_buffer_pointer())
+        raw = home[0]() if home else None
+        if raw is None:
+            return None
+        _, start, shape, dtype = home
+        host = raw[start:start + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+        return host if _views_of(x, host) else None
 
     def _evaluate(self, when: str, model, params, adapters) -> dict:
         result = {}
