@@ -41,23 +41,24 @@ def place(arr, sharding):
 ALIGN = 64  # XLA:CPU adopts a host buffer aligned to this without copying it
 
 
-def to_host(x: jax.Array, consume: bool = False) -> np.ndarray:
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised host array that `jax.device_put` on CPU adopts without copying."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
     """Fully addressable `x` whole in one new host buffer, written from its shards (each block
     once: replicas are skipped) and aligned so that `jax.device_put` on CPU adopts it rather
     than copying it. `jax.device_get` instead kept each host copy cached on its array (the
     demo's 1.07 GB of weights held twice after its export), and numpy's own 16-byte alignment
-    made `device_put` copy the 0.67 GB embedding twice while it moved.
-
-    consume=True deletes each shard once it is copied (x is deleted after): x and its copy
-    then never exist whole together, which raised the demo's peak by its 0.67 GB embedding."""
-    raw = np.empty(x.nbytes + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    host = raw[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+    made `device_put` copy the 0.67 GB embedding twice while it moved."""
+    host = aligned_empty(x.shape, x.dtype)
     for shard in x.addressable_shards:
         if shard.replica_id == 0:
             host[shard.index] = np.asarray(shard.data)
-        if consume:
-            shard.data.delete()
     return host
 
 

@@ -87,27 +87,49 @@ def test_moved_holds_the_tree_once_plus_one_array():
 
 
 def test_back_reuses_the_buffer_and_place_copies_each_shard():
-    """Onto a sharding split on the first axis: the one-device array goes back as views of its
-    own buffer (`_back`: the weights are not copied), and a host array is placed as copies of
-    its slices (`jaxlm.tree.place`), not as views that keep a temporary host array alive."""
+    """Onto a sharding split on the first axis: a host block goes back as views of its own
+    buffer (`_back`: the weights are not copied), and a host array is placed as copies of its
+    slices (`jaxlm.tree.place`), not as views that keep a temporary host array alive."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from jaxlm.train.evaluate import _back, _on_one_device
-    from jaxlm.tree import place
+    from jaxlm.train.evaluate import _back
+    from jaxlm.tree import aligned_empty, place
     rows = NamedSharding(sharding.make_mesh("1x8"), P("model", None))
     host = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
     placed = place(host, rows)
     start, end = host.ctypes.data, host.ctypes.data + host.nbytes
     assert not any(start <= s.data.unsafe_buffer_pointer() < end for s in placed.addressable_shards)
-    one = _on_one_device(placed)
-    base = one.unsafe_buffer_pointer()
-    back = _back(np.asarray(one), rows)
-    del one  # the shards keep its buffer alive
+    block = aligned_empty(host.shape, host.dtype)
+    block[...] = host
+    base = block.ctypes.data
+    back = _back(block, rows)
+    del block  # the shards keep its buffer alive
     assert back.sharding == rows and [s.data.shape for s in back.addressable_shards] == [(8, 16)] * 8
     assert [s.data.unsafe_buffer_pointer() - base for s in back.addressable_shards] == [
         i * 8 * 16 * 4 for i in range(8)]
     np.testing.assert_array_equal(np.asarray(back), host)
     columns = NamedSharding(rows.mesh, P(None, "model"))  # not contiguous: copied
-    np.testing.assert_array_equal(np.asarray(_back(np.asarray(_on_one_device(placed)), columns)), host)
+    np.testing.assert_array_equal(np.asarray(_back(host.copy(), columns)), host)
+
+
+def test_one_device_per_process_stands_for_each_process_block():
+    """The evaluation mesh takes one device per process where each process's devices form one
+    block of the grid, and none where they interleave."""
+    from types import SimpleNamespace
+    from unittest import mock
+    from jaxlm.train.evaluate import one_per_process
+
+    def grid(owners):  # fake devices with these process indices, a mesh of their shape
+        devs = np.array([[SimpleNamespace(id=10 * r + c, process_index=p, platform="cpu")
+                          for c, p in enumerate(row)] for r, row in enumerate(owners)], dtype=object)
+        return SimpleNamespace(devices=devs, axis_names=("batch", "model"))
+    with mock.patch.object(jax, "process_count", return_value=2), \
+            mock.patch("jaxlm.train.evaluate.Mesh", lambda d, names: d):
+        one_by_eight = one_per_process(grid([[0, 0, 0, 0, 1, 1, 1, 1]]))
+        assert [[d.id for d in row] for row in one_by_eight] == [[0, 4]]
+        two_by_four = one_per_process(grid([[0, 0, 0, 0], [1, 1, 1, 1]]))
+        assert [[d.id for d in row] for row in two_by_four] == [[0], [10]]
+        assert one_per_process(grid([[0, 1, 0, 1, 0, 1, 0, 1]])) is None
+    assert one_per_process(sharding.make_mesh("1x8")).devices.shape == (1, 1)
 
 
 def test_to_host_writes_each_block_once_into_a_buffer_the_cpu_adopts():

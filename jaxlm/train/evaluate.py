@@ -9,15 +9,16 @@ adapters (a `jaxlm.lora.Adapters`) are merged with their own alpha, so what is e
 what was trained; exact match compares the completion's first line with the answer.
 
 A mesh of simulated CPU devices (`--mesh=1x8` on a machine without an accelerator) is the
-exception: there the evaluation runs on one device. Under the seed's layout the activations are
-replicated over the model axis, so each simulated device repeats the attention and every
-elementwise op, on the same few cores: 40 greedy prompts of the demo's Gemma 3 270M took 55 s
-on the 8 simulated devices and 8 s on one (`python bench/real_step_ab.py --what=generate`).
-The numbers are the same computation; only the order of the sharded sums differs. The weights
-are moved there and back (`moved`), not copied: all 8 simulated devices live in this process's
-memory, and a copy held the demo's 1.07 GB of weights twice for the evaluation. A weight split
-on its first axis goes back as views of its one-device buffer, so the next evaluation finds it
-there whole and moves nothing.
+exception: there the evaluation runs on one device per process. Under the seed's layout the
+activations are replicated over the model axis, so each simulated device repeats the attention
+and every elementwise op, on the same few cores: 40 greedy prompts of the demo's Gemma 3 270M
+took 55 s on the 8 simulated devices and 8 s on one (`python bench/real_step_ab.py
+--what=generate`), and across processes each device held its own KV cache. The numbers are the
+same computation; only the order of the sharded sums differs. Each process's shards of a weight
+are moved into one buffer on its device and back (`moved`), not copied: the simulated devices
+live in the process's memory, and a copy held the demo's 1.07 GB of weights twice for the
+evaluation. A weight split on its first axis goes back as views of that buffer, so the next
+evaluation finds it there and moves nothing.
 """
 from __future__ import annotations
 
@@ -25,31 +26,43 @@ import weakref
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from jaxlm import data, machine
-from jaxlm.tree import to_host
+from jaxlm.tree import aligned_empty
 from jaxlm.generate import generate
 
 
 def simulated(mesh) -> bool:
-    """Whether `mesh` is several CPU devices of this one process (XLA's simulated host devices)."""
-    return (mesh is not None and mesh.devices.size > 1 and jax.process_count() == 1
+    """Whether `mesh` puts several CPU devices in a process (XLA's simulated host devices)."""
+    return (mesh is not None and mesh.devices.size > jax.process_count()
             and all(d.platform == "cpu" for d in mesh.devices.flat))
 
 
-def _on_one_device(x):
-    """A copy of sharded array `x` on this process's first device, one array at a time:
-    `jax.device_put` of the whole tree went through each array's cached host value, which then
-    stayed (2.0 GB more for Gemma 3 270M's 1.07 GB)."""
-    return jax.device_put(to_host(x), jax.local_devices()[0]).block_until_ready()
+def one_per_process(mesh: Mesh) -> Mesh | None:
+    """The mesh of one device per process standing for `mesh`: each process's devices form one
+    block of `mesh`'s grid, which becomes its first device, so a weight's block there is the
+    union of the process's shards of it. None where the processes' devices form no such blocks."""
+    grid = mesh.devices
+    owner = np.vectorize(lambda d: d.process_index)(grid)
+    rows, cols = grid.shape
+    n = grid.size // jax.process_count()
+    for sb in (d for d in range(1, rows + 1) if rows % d == 0 and n % d == 0):
+        sm = n // sb
+        if cols % sm:
+            continue
+        blocks = owner.reshape(rows // sb, sb, cols // sm, sm)
+        if (blocks == blocks[:, :1, :, :1]).all():
+            return Mesh(grid[::sb, ::sm], mesh.axis_names)
+    return None
 
 
 def moved(tree, put, to=None):
     """`tree` with each array x replaced by put(x, t) (t: the matching leaf of `to`, else None),
     x deleted as soon as its replacement exists: the tree is held once plus its largest array,
     not twice. (A copy of the demo's Gemma 3 270M for its evaluation raised the peak by the
-    whole 1.07 GB.) Pass the only reference to `tree` (an array over a host buffer, as
-    `_on_one_device` makes, frees it when its last reference goes, not on `delete`). An x whose
+    whole 1.07 GB.) Pass the only reference to `tree` (an array over a host buffer, as the
+    evaluator makes, frees it when its last reference goes, not on `delete`). An x whose
     buffer the replacement kept is left to it: `jax.device_put` of a one-device array to a
     replicated sharding keeps it as the shard on that device."""
     targets = jax.tree.leaves(to) if to is not None else None
@@ -71,21 +84,52 @@ def _shares_a_buffer(x, y) -> bool:
     return any(s.data.unsafe_buffer_pointer() in theirs for s in x.addressable_shards)
 
 
-def _back(host, sharding):
-    """Host array `host` (the buffer of a one-device array) onto `sharding`, one shard at a
-    time, each a view of `host` where XLA:CPU adopts it as it is (a block of rows: a split on
-    the first axis), so the demo's 0.67 GB embedding goes back without a copy, its shards
-    keeping the buffer alive (slicing the one-device array raised the peak by a shard at a
-    time, and `jax.device_put` of the whole of it by 1.1 GB). Other splits copy their shards."""
-    shards = [jax.device_put(host[index], device).block_until_ready()
-              for device, index in sharding.addressable_devices_indices_map(host.shape).items()]
-    return jax.make_array_from_single_device_arrays(host.shape, sharding, shards)
+def _within(index, start) -> tuple:
+    """Global `index` (slices) relative to a block starting at `start`."""
+    return tuple(slice(i.start - s if i.start is not None else None,
+                       i.stop - s if i.stop is not None else None) for i, s in zip(index, start))
 
 
-def _views_of(x, host) -> bool:
-    """Whether every shard of `x` is the matching block of `host`'s own memory."""
-    return x.shape == host.shape and x.dtype == host.dtype and all(
-        s.data.unsafe_buffer_pointer() == host[s.index].ctypes.data for s in x.addressable_shards)
+def _block(sharding, shape) -> tuple:
+    """(device, start, shape) of this process's one block of an array under `sharding`."""
+    ((device, index),) = sharding.addressable_devices_indices_map(shape).items()
+    bounds = [i.indices(n)[:2] for i, n in zip(index, shape)]
+    return device, tuple(a for a, _ in bounds), tuple(b - a for a, b in bounds)
+
+
+def _gathered(x, start, shape, consume: bool) -> np.ndarray:
+    """This process's shards of `x` written into one new host block at `start` (each distinct
+    shard once); consume=True deletes each shard once it is copied, so that x and its copy
+    never exist whole together (that raised the demo's peak by its 0.67 GB embedding)."""
+    host, seen = aligned_empty(shape, x.dtype), set()
+    for shard in x.addressable_shards:
+        key = tuple(i.indices(n)[:2] for i, n in zip(shard.index, x.shape))
+        if key not in seen:
+            host[_within(shard.index, start)] = np.asarray(shard.data)
+            seen.add(key)
+        if consume:
+            shard.data.delete()
+    return host
+
+
+def _back(host, sharding, shape=None, start=None):
+    """Host block `host` of an array of `shape` (default: all of it), at `start`, onto this
+    process's devices under `sharding`, one shard at a time, each a view of `host` where XLA:CPU
+    adopts it as it is (a block of rows: a split on the first axis). So the demo's 0.67 GB
+    embedding goes back without a copy, its shards keeping the buffer alive (slicing a
+    one-device array raised the peak by a shard at a time, and `jax.device_put` of the whole
+    of it by 1.1 GB). Other splits copy their shards."""
+    shape, start = shape or host.shape, start or (0,) * host.ndim
+    shards = [jax.device_put(host[_within(index, start)], device).block_until_ready()
+              for device, index in sharding.addressable_devices_indices_map(shape).items()]
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+def _views_of(x, host, start) -> bool:
+    """Whether each of this process's shards of `x` is the matching part of `host`'s memory."""
+    return x.dtype == host.dtype and all(
+        s.data.unsafe_buffer_pointer() == host[_within(s.index, start)].ctypes.data
+        for s in x.addressable_shards)
 
 
 class Evaluator:
@@ -96,11 +140,13 @@ class Evaluator:
         """held: held-out Records for exact match (None: none). sample_instructions: the
         instructions whose generations are printed before and after."""
         self.tokenizer, self.max_new_tokens = tokenizer, max_new_tokens
-        self.one_device = simulated(mesh)  # see the module docstring
-        self.mesh = None if self.one_device else mesh
+        small = one_per_process(mesh) if simulated(mesh) else None  # see the module docstring
+        self.one_device = small is not None
+        self.mesh = small if self.one_device and jax.process_count() > 1 else (
+            None if self.one_device else mesh)
         # The weights that went back as views (`_back`): shard 0's address -> (a weak reference
-        # to `to_host`'s bytes, the weight's offset, shape and dtype in them). Weak, so that
-        # weights the training replaced are not kept alive here.
+        # to `aligned_empty`'s bytes, the block's offset, shape and dtype in them). Weak, so
+        # that weights the training replaced are not kept alive here.
         self._homes: dict[int, tuple] = {}
         n = min(eval_examples, len(held)) if held is not None else 0
         self.eval_prompts = [data.prompt(template, i) for i in held.instructions[:n]] if n else []
@@ -113,48 +159,61 @@ class Evaluator:
                         max_length=longest + self.max_new_tokens, strip_prompt=True,
                         adapters=adapters, mesh=self.mesh)
 
+    def _target(self, x):
+        """Where `x` is evaluated: this process's first device, or its device of `self.mesh`."""
+        if self.mesh is None:
+            return SingleDeviceSharding(jax.local_devices()[0])
+        return NamedSharding(self.mesh, x.sharding.spec)
+
     def __call__(self, when: str, model, params, adapters=None) -> tuple[dict, dict]:
-        """-> (result, params). On a simulated mesh `params` are moved to one device for the
-        evaluation and back to their shardings, each array deleted once its copy exists (see
-        `moved`): use the returned tree, the one given is gone. The adapters are copied."""
+        """-> (result, params). On simulated devices `params` are moved to one device per
+        process for the evaluation and back to their shardings, each array deleted once its
+        copy exists (see `moved`): use the returned tree, the one given is gone. The adapters
+        are copied."""
         if not self.one_device:
             return self._evaluate(when, model, params, adapters), params
         where = jax.tree.map(lambda x: x.sharding, params)
-        hosts = {}  # id of each one-device array -> its host buffer
+        hosts = {}  # id of each evaluated array -> (its host block, the block's start)
 
-        def there(x, _):
-            host = self._home(x)
+        def there(x, consume=True):
+            target = self._target(x)
+            device, start, shape = _block(target, x.shape)
+            host = self._home(x, start, shape)
             if host is None:  # a copy, x freed shard by shard as it is made
-                host = to_host(x, consume=True)
-            y = jax.device_put(host, jax.local_devices()[0]).block_until_ready()
-            hosts[id(y)] = host
+                host = _gathered(x, start, shape, consume)
+            y = jax.make_array_from_single_device_arrays(
+                x.shape, target, [jax.device_put(host, device).block_until_ready()])
+            hosts[id(y)] = host, start
             return y
 
         def back(y, sharding):
-            host = hosts.pop(id(y))
-            x = _back(host, sharding)
-            owner = host.base  # `to_host`'s raw bytes
-            if _views_of(x, host) and owner is not None and owner.dtype == np.uint8:
+            host, start = hosts.pop(id(y))
+            x = _back(host, sharding, y.shape, start)
+            owner = host.base  # `aligned_empty`'s raw bytes
+            if _views_of(x, host, start) and owner is not None and owner.dtype == np.uint8:
                 self._homes[x.addressable_shards[0].data.unsafe_buffer_pointer()] = (
-                    weakref.ref(owner), host.ctypes.data - owner.ctypes.data, host.shape, host.dtype)
+                    weakref.ref(owner), host.ctypes.data - owner.ctypes.data, host.shape,
+                    host.dtype, start)
             return x
-        here = [moved(params, there)]  # the one reference (see `moved`)
+        here = [moved(params, lambda x, _: there(x))]  # the one reference (see `moved`)
         del params
         self._homes.clear()  # what was worth finding has been found
-        result = self._evaluate(when, model, here[0], jax.tree.map(_on_one_device, adapters))
+        copies = jax.tree.map(lambda a: there(a, consume=False), adapters)
+        result = self._evaluate(when, model, here[0], copies)
+        del copies
         params = moved(here.pop(), back, where)
         machine.return_freed_memory()
         return result, params
 
-    def _home(self, x):
-        """The host buffer whose views `x`'s shards still are, if `_back` made them."""
+    def _home(self, x, start, shape):
+        """The host block whose views `x`'s shards still are, if `_back` made them."""
         home = self._homes.get(x.addressable_shards[0].data.unsafe_buffer_pointer())
         raw = home[0]() if home else None
-        if raw is None:
+        if raw is None or home[2] != shape or home[4] != start:
             return None
-        _, start, shape, dtype = home
-        host = raw[start:start + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
-        return host if _views_of(x, host) else None
+        _, offset, shape, dtype, _ = home
+        host = raw[offset:offset + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+        return host if _views_of(x, host, start) else None
 
     def _evaluate(self, when: str, model, params, adapters) -> dict:
         result = {}
