@@ -1,4 +1,6 @@
 """Optimizer masks, exact gradient accumulation, and the sharded train step on a (1, 8) mesh."""
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -177,7 +179,7 @@ def test_step_count_and_defaults():
     assert cli.parse([r"--template=Q: {instruction}\nA: {output}"]).template == "Q: {instruction}\nA: {output}"
 
 
-def test_default_preset_is_the_demo_model_when_installed(monkeypatch, capsys):
+def test_default_preset_is_the_demo_model_when_installed(monkeypatch, capsys, tmp_path):
     import sys
     import types
     from jaxlm.train import cli, lm
@@ -185,12 +187,54 @@ def test_default_preset_is_the_demo_model_when_installed(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, cli.DEMO_PACKAGE, None)  # not installed
     assert lm.default_preset() == cli.TOY_PRESET
     assert "demo extra is not installed" in capsys.readouterr().out
-    import pathlib
-    fake = types.SimpleNamespace(assemble=lambda: pathlib.Path("/somewhere/gemma-3-270m.gguf"))
+    fake = _FakeDemo(tmp_path)
     monkeypatch.setitem(sys.modules, cli.DEMO_PACKAGE, fake)
-    assert lm.default_preset() == "/somewhere/gemma-3-270m.gguf"  # a str: it goes into JSON
+    assert lm.default_preset() == str(tmp_path / "model.gguf")  # a str: it goes into JSON
     monkeypatch.setenv("JAXLM_DEFAULT_PRESET", "gemma_tiny")
     assert lm.default_preset() == "gemma_tiny"
+
+
+class _FakeDemo:
+    """The demo package's file logic on a small payload: `assemble` writes the file in place from
+    its chunks and checks its sha256; a file that exists with another checksum is an error."""
+
+    PAYLOAD = b"GGUF" + bytes(range(256)) * 64
+
+    def __init__(self, home, during_write=None):
+        self.home, self.during_write = home, during_write
+
+    def default_output_path(self):
+        return self.home / "model.gguf"
+
+    def assemble(self, output_path=None, overwrite=False):
+        import hashlib
+        target = self.default_output_path() if output_path is None else output_path
+        sha = lambda data: hashlib.sha256(data).hexdigest()  # noqa: E731
+        if target.exists() and not overwrite:
+            if sha(target.read_bytes()) != sha(self.PAYLOAD):
+                raise FileExistsError(f"{target} already exists with an unexpected sha256")
+            return target
+        with open(target, "wb") as f:
+            f.write(self.PAYLOAD[:100])
+            f.flush()
+            if self.during_write:  # another process of the run looks for the file now
+                self.during_write()
+            f.write(self.PAYLOAD[100:])
+        return target
+
+
+def test_the_demo_file_appears_whole_to_every_process(tmp_path):
+    """Every process of a multi-host run assembles the demo GGUF on a fresh machine: one that
+    looks while another writes must not find a half file, nor must a run after a killed one."""
+    from jaxlm.train import lm
+    seen = []
+    fake = _FakeDemo(tmp_path, during_write=lambda: seen.append(lm.demo_file(_FakeDemo(tmp_path))))
+    path = lm.demo_file(fake)
+    assert seen == [path] and open(path, "rb").read() == _FakeDemo.PAYLOAD
+    assert sorted(os.listdir(tmp_path)) == ["model.gguf"]  # no temporary file left behind
+    open(path, "wb").write(_FakeDemo.PAYLOAD[:100])  # a run killed while writing
+    assert lm.demo_file(_FakeDemo(tmp_path)) == path
+    assert open(path, "rb").read() == _FakeDemo.PAYLOAD
 
 
 def test_export_writes_every_adapter_format(tmp_path, capsys):

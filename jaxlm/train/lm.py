@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import uuid
 
 import jax
 
@@ -45,9 +46,31 @@ def default_preset() -> str:
         print(f"NOTE: the demo extra is not installed (pip install -e \".[demo]\" brings a pretrained "
               f"Gemma 3 270M), so the default model is {cli.TOY_PRESET}.")
         return cli.TOY_PRESET
-    path = str(demo.assemble())  # a pathlib.Path; the run's flags are stored as JSON
+    path = demo_file(demo)
     print(f"model: Gemma 3 270M, pretrained, from the demo extra ({path})")
     return path
+
+
+def demo_file(demo) -> str:
+    """The demo extra's GGUF, assembled from its package's chunks into ~/.cache on first use.
+
+    The package writes the file in place, so a process that finds it half written (another
+    process of a multi-host run, or a run killed while writing) reads a wrong checksum. Each
+    process here assembles into its own temporary name and renames it into place: the file is
+    there whole or not at all."""
+    target = demo.default_output_path()
+    if target.exists():
+        try:
+            return str(demo.assemble())  # checks the sha256
+        except FileExistsError:
+            pass  # left half written by a killed run: rebuilt below
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.part")
+    try:
+        demo.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return str(target)  # a str: the run's flags are stored as JSON
 
 
 def resolve_defaults(a: cli.Args, toy: bool, demo: bool = False) -> cli.Args:
