@@ -65,21 +65,35 @@ def cli(main):
             return main(*args, **kwargs)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
-            if e.abandoned_threads:  # the interpreter would wait for them at exit
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(2)
-            sys.exit(2)
+            # the interpreter would wait for abandoned threads at exit
+            leave(2, now=e.abandoned_threads)
         except OSError as e:
             print(f"error: {describe_os_error(e)}", file=sys.stderr)
-            sys.exit(2)
+            leave(2)
         except Stopped as e:
             print(str(e), file=sys.stderr)
-            sys.exit(e.code)
+            sys.exit(e.code)  # every process stopped at the same step: they leave together
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
-            sys.exit(130)
+            leave(130)
     return wrapper
+
+
+def leave(code: int, now: bool = False) -> None:
+    """Exit with `code` after an error. In a multi-process run the interpreter's exit would
+    enter jax.distributed's shutdown barrier and wait there (five minutes by default) for
+    processes that are still working or waiting for this one: the process ends at once
+    instead, and the others are stopped by jaxlm.launch or fail when they next need it."""
+    if now or _in_multi_process_run():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def _in_multi_process_run() -> bool:
+    state = sys.modules.get("jax._src.distributed")  # no jax import for runs that never had one
+    return state is not None and getattr(state.global_state, "client", None) is not None
 
 
 def describe_os_error(e: OSError) -> str:

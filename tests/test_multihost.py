@@ -311,6 +311,30 @@ def test_launcher_signals_during_start_up_stop_everything_started():
                 os.kill(pid, 0)
 
 
+def test_a_user_error_on_one_process_ends_the_run_at_once():
+    """Process 1 fails with a UserError while process 0 waits for it in a collective: process 1
+    must not sit in jax.distributed's shutdown barrier (5 minutes) waiting for process 0."""
+    child = ("import sys\n"
+             "from jaxlm import distributed\n"
+             "from jaxlm.errors import UserError, cli\n"
+             "@cli\n"
+             "def main():\n"
+             "    distributed.initialize(distributed.from_argv([])[0])\n"
+             "    import jax\n"
+             "    from jax.experimental import multihost_utils\n"
+             "    if jax.process_index() == 1:\n"
+             "        raise UserError('no data on this host; copy it there')\n"
+             "    multihost_utils.sync_global_devices('never reached by process 1')\n"
+             "main()\n")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "jaxlm.launch", "--num_processes=2",
+                        "--devices_per_process=1", "--", sys.executable, "-c", child],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and time.monotonic() - t0 < 60, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "[p1] error: no data on this host; copy it there" in r.stdout
+    assert "[launch] process 1 failed (exit code 2); stopped process(es) 0" in r.stderr
+
+
 def test_flags_and_environment():
     s, rest = distributed.from_argv(["--mesh=1x8", "--num_processes", "4", "--process_id=3",
                                      "--coordinator_address=10.0.0.1:1234"], environ={})
