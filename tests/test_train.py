@@ -237,6 +237,35 @@ def test_the_demo_file_appears_whole_to_every_process(tmp_path):
     assert open(path, "rb").read() == _FakeDemo.PAYLOAD
 
 
+def test_the_loop_compiles_the_step_once_and_hands_back_freed_memory_between_steps(monkeypatch):
+    """The step is compiled ahead of its first call (which reuses that compilation), and malloc's
+    freed memory goes back to the system after that compilation and at every log point."""
+    from jax._src import monitoring
+    from jaxlm import machine
+    from jaxlm.train import loop
+    compiles, trims = [], []
+
+    def on_event(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+    monkeypatch.setattr(machine, "return_freed_memory", lambda: trims.append(len(compiles)))
+    step = jax.jit(lambda state, frozen, batch: (
+        {"step": state["step"] + 1, "w": state["w"] * batch},
+        {"loss": jnp.sum(state["w"]), "accuracy": jnp.float32(0), "count": jnp.float32(1)}),
+        donate_argnums=(0,))
+    state = {"step": jnp.int32(0), "w": jnp.ones(4)}
+    batch = jnp.full(4, 2.0)
+    monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        state, history = loop.run(step, state, None, lambda s: batch, num_steps=7, log_every=3,
+                                  print_fn=lambda line: None)
+    finally:
+        monitoring.unregister_event_duration_listener(on_event)
+    assert len(compiles) == 1, compiles  # lowering ahead did not cost a second compilation
+    assert trims == [1, 1, 1, 1]  # after compiling, then at steps 3, 6 and 7 (the last)
+    assert [s for s, _ in history] == list(range(1, 8)) and float(state["w"][0]) == 2.0 ** 7
+
+
 def test_export_writes_every_adapter_format(tmp_path, capsys):
     """Gemma 1 and Gemma 3 (the demo model): adapters/ (no flags to load), KerasHub's .lora.h5,
     PEFT's adapter beside a Hugging Face export of the base, and the lines that load them."""
