@@ -163,3 +163,14 @@ def test_real_step_ab_bench_times_the_activation_rule_against_the_partitioner():
         positive(lines["real_ab_activations"][f"{v}_ms"])
     table = next(line for line in stdout.splitlines() if line.startswith("activations table:"))
     assert "all-gather" in table  # the rule is in the compiled step
+
+
+def test_demo_bench_measures_both_commands():
+    out, lines = run_bench("demo.py", "--", "--preset=gemma_tiny", "--steps=2", "--num_samples=0")
+    assert_names_its_host(out)
+    one, two = lines["demo_one"], lines["demo_two"]
+    peaks = [positive(kb) for kb in two["peak_kb"].split("+")]
+    assert len(peaks) == 2 and sum(peaks) == positive(two["total_kb"])
+    assert abs(float(two["over_one"]) - sum(peaks) / positive(one["peak_kb"])) < 1e-3
+    assert positive(one["wall_s"]) and positive(two["wall_s"])
+    assert one["exact_match"] == two["exact_match"] == "0/40"  # a random toy model, the same data
