@@ -40,7 +40,7 @@ def run(step_fn: Callable, state: dict, frozen, get_batch: Callable[[int], dict]
     no step runs: after the step is compiled, before it first runs, and at each log point. On
     CPU glibc kept the compiler's working memory under the first step's temporaries, and each
     step allocates its temporaries afresh from several threads, so what it kept grew by 70-250
-    MB per process over the demo's 40 steps; the demo's peak fell from 2,642,572 to 2,453,368
+    MB per process over the demo's 40 steps; the demo's peak fell from 2,642,572 to 2,449,340
     KB in one process, from 1.70-1.79 to 1.57 GB in each of two (bench/README.md).
 
     SIGTERM or Ctrl-C (`jaxlm.train.preemption`): the current step finishes, is checkpointed and
