@@ -49,17 +49,31 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def to_host(x: jax.Array) -> np.ndarray:
-    """Fully addressable `x` whole in one new host buffer, written from its shards (each block
-    once: replicas are skipped) and aligned so that `jax.device_put` on CPU adopts it rather
-    than copying it. `jax.device_get` instead kept each host copy cached on its array (the
-    demo's 1.07 GB of weights held twice after its export), and numpy's own 16-byte alignment
-    made `device_put` copy the 0.67 GB embedding twice while it moved."""
-    host = aligned_empty(x.shape, x.dtype)
+def to_host(x: jax.Array, start=None, shape=None, consume: bool = False) -> np.ndarray:
+    """This process's shards of `x` written into one new host block (default: all of fully
+    addressable `x`) of `shape` at `start`, each distinct block once (replicas, this process's
+    or not, are skipped), and aligned so that `jax.device_put` on CPU adopts it rather than
+    copying it. `jax.device_get` instead kept each host copy cached on its array (the demo's
+    1.07 GB of weights held twice after its export), and numpy's own 16-byte alignment made
+    `device_put` copy the 0.67 GB embedding twice while it moved. consume=True deletes each
+    shard once it is copied, so that x and its copy never exist whole together (that raised
+    the demo's peak by its 0.67 GB embedding in the evaluation)."""
+    shape, start = shape or x.shape, start or (0,) * x.ndim
+    host, seen = aligned_empty(shape, x.dtype), set()
     for shard in x.addressable_shards:
-        if shard.replica_id == 0:
-            host[shard.index] = np.asarray(shard.data)
+        key = tuple(i.indices(n)[:2] for i, n in zip(shard.index, x.shape))
+        if key not in seen:
+            host[within(shard.index, start)] = np.asarray(shard.data)
+            seen.add(key)
+        if consume:
+            shard.data.delete()
     return host
+
+
+def within(index, start) -> tuple:
+    """Global `index` (slices) relative to a block starting at `start`."""
+    return tuple(slice(i.start - s if i.start is not None else None,
+                       i.stop - s if i.stop is not None else None) for i, s in zip(index, start))
 
 
 def map_with_path(fn: Callable, tree):

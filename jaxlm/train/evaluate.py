@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from jaxlm import data, machine
-from jaxlm.tree import aligned_empty
+from jaxlm.tree import to_host, within
 from jaxlm.generate import generate
 
 
@@ -84,32 +84,11 @@ def _shares_a_buffer(x, y) -> bool:
     return any(s.data.unsafe_buffer_pointer() in theirs for s in x.addressable_shards)
 
 
-def _within(index, start) -> tuple:
-    """Global `index` (slices) relative to a block starting at `start`."""
-    return tuple(slice(i.start - s if i.start is not None else None,
-                       i.stop - s if i.stop is not None else None) for i, s in zip(index, start))
-
-
 def _block(sharding, shape) -> tuple:
     """(device, start, shape) of this process's one block of an array under `sharding`."""
     ((device, index),) = sharding.addressable_devices_indices_map(shape).items()
     bounds = [i.indices(n)[:2] for i, n in zip(index, shape)]
     return device, tuple(a for a, _ in bounds), tuple(b - a for a, b in bounds)
-
-
-def _gathered(x, start, shape, consume: bool) -> np.ndarray:
-    """This process's shards of `x` written into one new host block at `start` (each distinct
-    shard once); consume=True deletes each shard once it is copied, so that x and its copy
-    never exist whole together (that raised the demo's peak by its 0.67 GB embedding)."""
-    host, seen = aligned_empty(shape, x.dtype), set()
-    for shard in x.addressable_shards:
-        key = tuple(i.indices(n)[:2] for i, n in zip(shard.index, x.shape))
-        if key not in seen:
-            host[_within(shard.index, start)] = np.asarray(shard.data)
-            seen.add(key)
-        if consume:
-            shard.data.delete()
-    return host
 
 
 def _back(host, sharding, shape=None, start=None):
@@ -120,7 +99,7 @@ def _back(host, sharding, shape=None, start=None):
     one-device array raised the peak by a shard at a time, and `jax.device_put` of the whole
     of it by 1.1 GB). Other splits copy their shards."""
     shape, start = shape or host.shape, start or (0,) * host.ndim
-    shards = [jax.device_put(host[_within(index, start)], device).block_until_ready()
+    shards = [jax.device_put(host[within(index, start)], device).block_until_ready()
               for device, index in sharding.addressable_devices_indices_map(shape).items()]
     return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
@@ -128,7 +107,7 @@ def _back(host, sharding, shape=None, start=None):
 def _views_of(x, host, start) -> bool:
     """Whether each of this process's shards of `x` is the matching part of `host`'s memory."""
     return x.dtype == host.dtype and all(
-        s.data.unsafe_buffer_pointer() == host[_within(s.index, start)].ctypes.data
+        s.data.unsafe_buffer_pointer() == host[within(s.index, start)].ctypes.data
         for s in x.addressable_shards)
 
 
@@ -142,10 +121,12 @@ class Evaluator:
         self.tokenizer, self.max_new_tokens = tokenizer, max_new_tokens
         small = one_per_process(mesh) if simulated(mesh) else None  # see the module docstring
         self.one_device = small is not None
-        self.mesh = small if self.one_device and jax.process_count() > 1 else (
-            None if self.one_device else mesh)
+        if not self.one_device:
+            self.mesh = mesh
+        else:  # one process evaluates without a mesh, several on one device each
+            self.mesh = small if jax.process_count() > 1 else None
         # The weights that went back as views (`_back`): shard 0's address -> (a weak reference
-        # to `aligned_empty`'s bytes, the block's offset, shape and dtype in them). Weak, so
+        # to `to_host`'s aligned bytes, the block's offset, shape and dtype in them). Weak, so
         # that weights the training replaced are not kept alive here.
         self._homes: dict[int, tuple] = {}
         n = min(eval_examples, len(held)) if held is not None else 0
@@ -180,7 +161,7 @@ class Evaluator:
             device, start, shape = _block(target, x.shape)
             host = self._home(x, start, shape)
             if host is None:  # a copy, x freed shard by shard as it is made
-                host = _gathered(x, start, shape, consume)
+                host = to_host(x, start, shape, consume)
             y = jax.make_array_from_single_device_arrays(
                 x.shape, target, [jax.device_put(host, device).block_until_ready()])
             hosts[id(y)] = host, start
@@ -189,7 +170,7 @@ class Evaluator:
         def back(y, sharding):
             host, start = hosts.pop(id(y))
             x = _back(host, sharding, y.shape, start)
-            owner = host.base  # `aligned_empty`'s raw bytes
+            owner = host.base  # `to_host`'s aligned raw bytes
             if _views_of(x, host, start) and owner is not None and owner.dtype == np.uint8:
                 self._homes[x.addressable_shards[0].data.unsafe_buffer_pointer()] = (
                     weakref.ref(owner), host.ctypes.data - owner.ctypes.data, host.shape,
