@@ -15,6 +15,9 @@ How the platform is chosen:
     traces its model calls inside `decode_steps(platform)`, which on CPU swaps the decode
     step's products for the kernels below (a Flax method interceptor: the layers keep their
     plain `__call__`) and elsewhere changes nothing.
+  * A bfloat16 LoRA step on CPU multiplies its frozen weights through the train layout
+    (models/train_layout.py): a second copy of them, in the one form XLA:CPU multiplies
+    bfloat16 fast, that the trainer builds when it trains on CPU (state, as the decoder's).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from models import layers
+from models import layers, train_layout
 
 # The step layout (below) holds a second, transposed copy of the block kernels while a
 # generate call runs; models whose block kernels exceed this decode with their stored layout.
@@ -114,10 +117,10 @@ def gated_ffn(x, gate: layers.Einsum, up: layers.Einsum, down: layers.Einsum):
     through the layers themselves, so `decode_steps` can replace each product; longer inputs
     run `layers.gated_ffn` on the flat tokens, on CPU with `_cpu_gated_ffn`'s backward.
     """
-    if x.shape[1] == 1:
-        return down("BTF,FH->BTH", layers.geglu(gate("BTH,HF->BTF", x), up("BTH,HF->BTF", x)))
     b, t, h = x.shape
     w_gate, w_up, w_down = gate(None), up(None), down(None)
+    if t == 1 or all(train_layout.holds(m) for m in (gate, up, down)):  # products the interceptors replace
+        return down("BTF,FH->BTH", layers.geglu(gate("BTH,HF->BTF", x), up("BTH,HF->BTF", x)))
     flat = x.reshape(b * t, h).astype(w_gate.dtype)
     out = by_platform(flat, w_gate, w_up, w_down, cpu=_cpu_gated_ffn, plain=layers.gated_ffn)
     return out.reshape(b, t, h)
@@ -269,11 +272,7 @@ def _cpu_decode_step(next_fun, args, kwargs, context):
 
 def _step_product(module: layers.Einsum, kernel, eq: str, x):
     """x [B, 1, *in] -> [B, 1, *out] through the kernel's [out, in] rows (see decode_steps)."""
-    x_spec, k_spec = eq.split("->")[0].split(",")
-    in_axes = [i for i, c in enumerate(k_spec) if c in x_spec]
-    out_axes = [i for i, c in enumerate(k_spec) if c not in x_spec]
-    if [k_spec[i] for i in in_axes] != list(x_spec[-len(in_axes):]):
-        raise ValueError(f"step layout needs x's contracted axes last, in kernel order: {eq}")
+    in_axes, out_axes = train_layout.axes(eq)
     out_shape = [module.shape[i] for i in out_axes]
 
     def rows():

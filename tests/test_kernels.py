@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import kernels, layers
+from models import kernels, layers, train_layout
 from models.gemma import PRESETS, Gemma, init_cache
 
 TINY = PRESETS["gemma_tiny"].replace(vocab_size=256, num_layers=1)
@@ -218,3 +218,72 @@ def test_the_step_layout_is_built_for_small_models_and_batches_on_cpu_only():
     assert not kernels.step_layout_pays("cpu", most + 1, 4)
     assert not kernels.step_layout_pays("cpu", 1, rows + 1)  # the demo's 40-prompt evaluation
     assert not kernels.step_layout_pays("tpu", 1, 4) and not kernels.step_layout_pays("gpu", 1, 4)
+
+
+# --- The CPU train layout ----------------------------------------------------------------------
+
+LAID = TINY.replace(num_layers=2, num_kv_heads=2, scan_layers=False, dtype="bfloat16")
+
+
+def _laid_setup():
+    from jaxlm import lora
+    model = Gemma(LAID)
+    ids = jax.random.randint(jax.random.key(1), (2, 9), 0, LAID.vocab_size)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16),
+                          model.init(jax.random.key(0), ids[:, :-1])["params"])
+    adapters = jax.tree.map(lambda a: a + 0.1, lora.init(params, 4, key=jax.random.key(2)))
+    layout = train_layout.build(model, params, lora.find_targets(params))
+    return model, params, adapters, layout, {"token_ids": ids, "padding_mask": jnp.ones_like(ids, bool)}
+
+
+def test_the_train_layout_holds_each_frozen_weight_in_the_form_it_lacks():
+    """Each frozen kernel as [in, out] and [out, in] matrices where the stored kernel is not
+    that reshaped; nothing for the LoRA targets (merged afresh in every step); the table as
+    [H, V]. The copies are the weights, exactly."""
+    _, params, _, layout, _ = _laid_setup()
+    h, n, k, d, f = LAID.hidden_dim, LAID.num_heads, LAID.num_kv_heads, LAID.head_dim, LAID.ffw_dim
+    shapes = jax.tree.map(lambda x: x.shape, layout)
+    assert set(shapes["decoder_block_0"]["attention"]) == {"key", "attention_output"}
+    assert shapes["decoder_block_0"]["attention"]["key"] == {"forward": (h, k * d), "backward": (k * d, h)}
+    assert shapes["decoder_block_1"]["attention"]["attention_output"] == {"backward": (h, n * d)}
+    assert shapes["decoder_block_1"]["ffw_gating"] == {"backward": (f, h)}
+    assert shapes["decoder_block_1"]["ffw_linear"] == {"backward": (h, f)}
+    assert shapes["token_embedding"] == {"columns": (h, LAID.vocab_size)}
+    key = params["decoder_block_1"]["attention"]["key"]["kernel"]  # [K, H, D]
+    laid = layout["decoder_block_1"]["attention"]["key"]
+    np.testing.assert_array_equal(laid["forward"], key.transpose(1, 0, 2).reshape(h, -1))
+    np.testing.assert_array_equal(laid["backward"], key.transpose(0, 2, 1).reshape(-1, h))
+    np.testing.assert_array_equal(layout["token_embedding"]["columns"],
+                                  params["token_embedding"]["embeddings"].T)
+
+
+def test_a_bfloat16_lora_step_through_the_train_layout_equals_the_plain_one():
+    """Loss and adapter gradients of a bfloat16 Gemma LoRA step with the layout equal those
+    without it, and the step does multiply through it: key, output projection and the three
+    FFN kernels of each layer (query and value are LoRA targets, merged as before)."""
+    from jaxlm import lora
+    from jaxlm.train.loss import lm_loss_fn
+    model, params, adapters, layout, batch = _laid_setup()
+    loss = lm_loss_fn(model)
+
+    def f(a, laid):
+        return loss(lora.merge(params, a), batch, None, layout=laid)[0].astype(jnp.float32)
+    plain = jax.jit(jax.value_and_grad(f))(adapters, None)
+    laid = jax.jit(jax.value_and_grad(f))(adapters, layout)
+    np.testing.assert_allclose(laid[0], plain[0], rtol=1e-2)
+    for a, b in zip(jax.tree.leaves(laid[1]), jax.tree.leaves(plain[1])):
+        scale = float(np.abs(np.float32(b)).max())
+        assert scale > 0
+        np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=0, atol=0.05 * scale)
+    program = str(jax.make_jaxpr(jax.grad(f))(adapters, layout))
+    assert program.count("name=product") == 5 * LAID.num_layers
+    assert "name=product" not in str(jax.make_jaxpr(jax.grad(f))(adapters, None))
+
+
+def test_the_train_layout_is_for_narrow_small_bases_on_cpu_only():
+    most = train_layout.MAX_BYTES
+    assert train_layout.pays("cpu", jnp.bfloat16, most)
+    assert not train_layout.pays("cpu", jnp.float32, 1)  # float32 has no fast form to gain
+    assert not train_layout.pays("cpu", jnp.bfloat16, most + 1)  # Gemma 2B: 5 GB more
+    assert not train_layout.pays("tpu", jnp.bfloat16, 1)
+    assert not train_layout.pays("gpu", jnp.bfloat16, 1)

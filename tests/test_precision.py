@@ -162,3 +162,43 @@ def test_lora_alpha_is_evaluated_and_exported_as_trained(tmp_path):
     assert not np.allclose(trained, logits(jaxlm.lora.merge(base, adapters, alpha=4)), atol=1e-4)
     keras = jaxlm.lora.load_keras_lora(os.path.join(out, "adapters.lora.h5"), model.config, base)
     np.testing.assert_allclose(logits(jaxlm.lora.merge(base, keras)), trained, atol=1e-5)
+
+
+def _lora_losses(policy, laid: bool, steps=4):
+    """LoRA rank 4 on gemma_tiny (1x8 mesh, built-in tasks) under `policy`, with or without the
+    CPU train layout; -> (the layout or None, the step losses)."""
+    mesh = sharding.make_mesh("1x8")
+    rules = sharding.rules_for(jaxlm.load("gemma_tiny", abstract=True)[0].config)
+    model, params = jaxlm.load("gemma_tiny", policy.compute, param_dtype=policy.frozen,
+                               placement=sharding.placement(mesh, rules, quiet=True))
+    model = trainer.training_model(model, lora=True, platform="cpu")
+    tok = jaxlm.load_tokenizer("gemma_tiny")
+    train, _ = data.builtin_dataset()
+    ids, mask = data.pack(tok, data.format_examples(train, data.TEMPLATE), 40)
+    layout = trainer.train_layout_of(model, params, lora=True, platform="cpu") if laid else None
+    built = trainer.build(params, mesh, param_specs=sharding.partition_specs(params, rules, mesh),
+                          loss_fn=L.lm_loss_fn(model), lora=trainer.LoraSpec(rank=4),
+                          optimizer=optim.make_optimizer(optim.OptimConfig(learning_rate=1e-2)),
+                          train_layout=layout)
+    state, frozen, losses = built.state, built.step_frozen(built.frozen), []
+    for s in range(steps):
+        state, m = built.step(state, frozen, data.host_batch(ids, mask, s, batch_size=8))
+        losses.append(float(m["loss"]))
+    return frozen[1] if laid else None, losses
+
+
+def test_bfloat16_lora_on_cpu_trains_through_the_layout_as_without_it():
+    """The trainer builds the CPU train layout for a bfloat16 LoRA step and its steps on the
+    1x8 mesh lose as the plain ones do; float32 gets none (no fast form to gain there)."""
+    policy = precision.resolve(compute_dtype="bfloat16", platform="cpu")
+    layout, laid = _lora_losses(policy, laid=True)
+    assert layout is not None and "columns" in layout["token_embedding"]
+    _, plain = _lora_losses(policy, laid=False)
+    print(f"gemma_tiny bfloat16 LoRA losses: through the layout {laid}, plain {plain}")
+    np.testing.assert_allclose(laid, plain, rtol=2e-3)
+    assert laid[-1] < laid[0]  # it trains
+    model, params = jaxlm.load("gemma_tiny")
+    assert trainer.train_layout_of(model, params, lora=True, platform="cpu") is None
+    narrow = type(model)(model.config.replace(dtype="bfloat16"))
+    assert trainer.train_layout_of(narrow, params, lora=False, platform="cpu") is None
+    assert trainer.train_layout_of(narrow, params, lora=True, platform="tpu") is None

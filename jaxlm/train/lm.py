@@ -235,7 +235,10 @@ def run(a: cli.Args) -> int:
                                  optimizer=optimizer, lora=lora_spec_of(a), trainable_dtype=policy.param,
                                  accum_steps=a.accum_steps, seed=a.seed,
                                  activations=trainer_lib.activation_rules(
-                                     model, a.layout, jax.default_backend()))
+                                     model, a.layout, jax.default_backend()),
+                                 train_layout=trainer_lib.train_layout_of(
+                                     model, params, lora=bool(a.lora_rank),
+                                     platform=jax.default_backend()))
     except ValueError as e:
         if isinstance(e, UserError):
             raise
@@ -294,8 +297,9 @@ def run(a: cli.Args) -> int:
         print(f"training steps {done + 1}..{steps} of {global_batch} examples x "
               f"{rows['token_ids'].shape[1] - 1} tokens on a {mesh.shape['batch']}x"
               f"{mesh.shape['model']} mesh, learning rate {a.learning_rate:g}")
-    state, history = loop.run(run_.step, state, frozen, get_batch, num_steps=steps, mngr=mngr,
-                              save_every=a.save_every, log_every=a.log_every,
+    # the base as the step takes it (with its train layout, held for the loop only)
+    state, history = loop.run(run_.step, state, run_.step_frozen(frozen), get_batch,
+                              num_steps=steps, mngr=mngr, save_every=a.save_every, log_every=a.log_every,
                               meta=lambda s: {"step": s, "data_position": s * global_batch,
                                               "fingerprint": fp},
                               metrics_path=loop.metrics_file(a.out), phases=phases, sinks=board)

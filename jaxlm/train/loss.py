@@ -22,13 +22,14 @@ makes gradient accumulation exact (see jaxlm/train/step.py).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from models import kernels
+from models import kernels, train_layout
 
 
 Metrics = dict  # {"loss_sum", "correct", "count"}: float32 scalars, summed over tokens
@@ -81,7 +82,7 @@ def chunk_length(batch: int, length: int, vocab: int, budget: int | None = None,
 
 def chunked_cross_entropy(hidden, embeddings, targets, weights, *, chunk_size: int | None = None,
                           logit_soft_cap: float | None = None,
-                          chunk_logits: int | None = None) -> Metrics:
+                          chunk_logits: int | None = None, columns=None) -> Metrics:
     """Sum of weighted CE (and argmax hits) of `hidden @ embeddings.T` against `targets`.
 
     hidden [B, T, H] (compute dtype), embeddings [V, H], targets int [B, T], weights [B, T].
@@ -90,6 +91,8 @@ def chunked_cross_entropy(hidden, embeddings, targets, weights, *, chunk_size: i
     as keep a chunk's logits within `chunk_logits`, by default this platform's CHUNK_LOGITS, on
     CPU `cpu_budget`).
     logit_soft_cap: Gemma 2's final cap, tanh(logits / cap) * cap, applied per chunk.
+    columns: the frozen table also stored as [H, V] (the CPU train layout,
+    `models.train_layout`): the logits multiply it in XLA:CPU's fast form.
     """
     b, t, h = hidden.shape
     c = max(1, min(chunk_size or chunk_length(b, t, embeddings.shape[0], chunk_logits, h), t))
@@ -106,8 +109,8 @@ def chunked_cross_entropy(hidden, embeddings, targets, weights, *, chunk_size: i
     # [n, B, C, ...]: scan over sequence chunks.
     to_chunks = lambda x: jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)  # noqa: E731
     emb = embeddings.astype(hidden.dtype)
-    loss_sum, correct = _fused_ce(to_chunks(hidden), emb, to_chunks(targets), to_chunks(weights),
-                                  live, logit_soft_cap)
+    loss_sum, correct = _fused_ce(to_chunks(hidden), emb, columns, to_chunks(targets),
+                                  to_chunks(weights), live, logit_soft_cap)
     return {"loss_sum": loss_sum, "correct": correct, "count": count}
 
 
@@ -126,10 +129,15 @@ def scored_first(hidden, targets, weights):
             jnp.take_along_axis(targets, order, axis=1), jnp.take_along_axis(weights, order, axis=1))
 
 
-def _chunk_logits(h_c, emb, cap):
+def _chunk_logits(h_c, emb, columns, cap):
     """-> (float32 logits [B, C, V] after the cap, tanh(logits / cap) or None)."""
     b, c, h = h_c.shape
-    logits = kernels.tied_logits(h_c.reshape(b * c, h), emb).reshape(b, c, -1)
+    flat = h_c.reshape(b * c, h)
+    if columns is None:
+        logits = kernels.tied_logits(flat, emb)
+    else:  # rounded to the compute dtype, as the product above
+        logits = jnp.dot(flat, columns, preferred_element_type=jnp.float32).astype(h_c.dtype)
+    logits = logits.astype(jnp.float32).reshape(b, c, -1)
     if cap is None:
         return logits, None
     th = jnp.tanh(logits / cap)
@@ -158,18 +166,19 @@ def _chunk_sums(logits, y_c, w_c):
     return ((lse - target_logit) * w_c).sum(), hit.sum(), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _fused_ce(h, emb, y, w, live, cap):
-    """h [n, B, C, H], emb [V, H], y/w [n, B, C], live int32 [] -> (loss_sum, correct) over the
-    first `live` chunks (the rest carry no weight); no [B, T, V] is kept."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _fused_ce(h, emb, columns, y, w, live, cap):
+    """h [n, B, C, H], emb [V, H], columns [H, V] or None, y/w [n, B, C], live int32 [] ->
+    (loss_sum, correct) over the first `live` chunks (the rest carry no weight); no [B, T, V]
+    is kept."""
     def body(i, carry):
-        ce, hit, _ = _chunk_sums(_chunk_logits(h[i], emb, cap)[0], y[i], w[i])
+        ce, hit, _ = _chunk_sums(_chunk_logits(h[i], emb, columns, cap)[0], y[i], w[i])
         return carry[0] + ce, carry[1] + hit
     zero = jnp.zeros((), jnp.float32)
     return jax.lax.fori_loop(0, live, body, (zero, zero))
 
 
-def _fused_ce_fwd(h, emb, y, w, live, cap):
+def _fused_ce_fwd(h, emb, columns, y, w, live, cap):
     """The gradient is computed with the loss, chunk by chunk: dCE/dlogits = softmax - onehot
     (times the weight, and tanh' under the cap) is projected back at once, so the logits are
     neither stored for the backward pass nor recomputed in it (a rematerialised chunk would
@@ -181,11 +190,12 @@ def _fused_ce_fwd(h, emb, y, w, live, cap):
     [H, V] embedding-gradient accumulator does not exist."""
     train_emb = emb.perturbed
     h, emb, y, w, live = h.value, emb.value, y.value, w.value, live.value
+    columns = None if columns is None else columns.value
 
     def body(i, carry):
         loss, hits, d_emb, d_h = carry
         h_c, y_c, w_c = h[i], y[i], w[i]
-        logits, th = _chunk_logits(h_c, emb, cap)
+        logits, th = _chunk_logits(h_c, emb, columns, cap)
         ce, hit, lse = _chunk_sums(logits, y_c, w_c)
         d = jnp.exp(logits - lse[..., None])
         d = d - jax.nn.one_hot(y_c, logits.shape[-1], dtype=d.dtype)
@@ -209,9 +219,9 @@ def _fused_ce_bwd(cap, res, g):
     d_h, d_emb = res
     g_loss = g[0]  # `correct` (argmax hits) has no gradient
     if isinstance(g_loss, SymbolicZero):
-        return None, None, None, None, None
+        return None, None, None, None, None, None
     return (d_h * g_loss.astype(d_h.dtype),
-            None if d_emb is None else d_emb * g_loss.astype(d_emb.dtype), None, None, None)
+            None if d_emb is None else d_emb * g_loss.astype(d_emb.dtype), None, None, None, None)
 
 
 _fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd, symbolic_zeros=True)
@@ -239,18 +249,25 @@ def lm_loss_fn(model, *, chunk_size: int | None = None, chunk_logits: int | None
     `jaxlm.data.packing`).
     chunk_size / chunk_logits: see `chunked_cross_entropy` (a step compiled for another
     platform than this host's passes that platform's CHUNK_LOGITS).
+    layout: the frozen base's CPU train layout (`models.train_layout.build`), passed by a
+    step made with `layout=True`; its products then run through it.
     """
     cap = getattr(model.config, "final_logit_soft_cap", None)
 
-    def loss_fn(params, batch, rng):
+    def loss_fn(params, batch, rng, layout=None):
         del rng  # Gemma has no dropout; the argument keeps the signature shared with MLM
         inputs, input_mask, targets, weights = shift(batch["token_ids"], batch["padding_mask"])
         if "loss_mask" in batch:  # --loss_on=response, packed rows: only these targets count
             weights = batch["loss_mask"][:, 1:]
         packed = {k: batch[k][:, :-1] for k in ("segment_ids", "positions") if k in batch}
-        hidden = model.apply({"params": params}, inputs, input_mask, return_hidden=True, **packed)
+        variables = {"params": params}
+        with contextlib.nullcontext() if layout is None else train_layout.products():
+            if layout is not None:
+                variables[train_layout.COLLECTION] = layout
+            hidden = model.apply(variables, inputs, input_mask, return_hidden=True, **packed)
+        columns = None if layout is None else layout.get("token_embedding", {}).get("columns")
         m = chunked_cross_entropy(hidden, params["token_embedding"]["embeddings"], targets, weights,
                                   chunk_size=chunk_size, logit_soft_cap=cap,
-                                  chunk_logits=chunk_logits)
+                                  chunk_logits=chunk_logits, columns=columns)
         return m["loss_sum"], m
     return loss_fn

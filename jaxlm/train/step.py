@@ -42,7 +42,8 @@ def micro_batch_sharding(mesh, accum_steps: int = 1) -> NamedSharding:
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     merge: MergeFn | None = None, accum_steps: int = 1,
                     state_shardings=None, frozen_shardings=None, batch_shardings=None,
-                    mesh=None, activations: dict | None = None, donate: bool = True):
+                    mesh=None, activations: dict | None = None, donate: bool = True,
+                    layout: bool = False):
     """-> step(state, frozen, batch) -> (new_state, metrics), jitted.
 
     loss_fn: (params, batch, rng) -> (loss_sum, metric sums incl. "count").
@@ -52,6 +53,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     *_shardings, mesh: explicit jit in/out shardings (all or none); metrics come back replicated.
     activations: the layout table's activation rules (`jaxlm.train.trainer.activation_rules`),
       which the model's `layers.constrain` calls follow on `mesh`; None leaves them to XLA.
+    layout: `frozen` is a pair (base, its CPU train layout from `models.train_layout.build`),
+      which the step passes to `loss_fn(params, batch, rng, layout=...)`.
     Returned metrics: loss, accuracy (per weighted token), count, grad_norm (before clipping).
     """
     def params_of(frozen, trainable):
@@ -59,6 +62,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
 
     def grads_and_sums(trainable, frozen, batch, rng):
         def objective(tr):
+            if layout:
+                base, laid = frozen
+                return loss_fn(params_of(base, tr), batch, rng, layout=laid)
             return loss_fn(params_of(frozen, tr), batch, rng)
         with layers.activation_layout(mesh, activations):
             (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
@@ -98,6 +104,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     kwargs = {}
     if state_shardings is not None:
         replicated = NamedSharding(mesh, P())
+        if layout:  # the layout's shardings are whatever building it gave
+            frozen_shardings = (frozen_shardings, None)
         kwargs = dict(in_shardings=(state_shardings, frozen_shardings, batch_shardings),
                       out_shardings=(state_shardings, replicated))
     return jax.jit(step, donate_argnums=(0,) if donate else (), **kwargs)
