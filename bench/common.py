@@ -43,8 +43,9 @@ def model_flops_per_token(cfg, seq_len: int, lora_rank: int) -> float:
 def matmul_peak(sizes=(1024, 2048, 4096), repeats: int = 5, dtype=jnp.float32) -> float:
     """Best FLOP/s of jitted [n, n] @ [n, n] over `sizes` on the default device. Several sizes,
     because the fastest differs by machine: on the 2-core CPU n = 1024-2048 runs ~15% faster
-    than 4096 (which alone would flatter every fraction of peak)."""
-    f = jax.jit(jnp.matmul)
+    than 4096 (which alone would flatter every fraction of peak). A float32 result: XLA:CPU's
+    fast bfloat16 form (see models/kernels.py)."""
+    f = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
     best = 0.0
     for n in sizes:
         a = jax.random.normal(jax.random.key(0), (n, n), dtype)

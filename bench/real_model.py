@@ -42,7 +42,10 @@ Ends with
     BENCH real_train_<full|lora>_t<T> jaxlm=<tok/s> hf=<tok/s> keras=<tok/s> vs_hf=<x> vs_keras=<x> mfu=<fraction> unit=tokens/s
     BENCH real_decode_b<B> jaxlm=<tok/s> hf=<tok/s> keras=<tok/s> vs_hf=<x> vs_keras=<x> unit=new_tokens/s
     BENCH real_memory_<full|lora> jaxlm_gib=<x> jaxlm_delta_gib=<x> hf_gib=... keras_gib=... unit=peak_rss_gib method=subprocess
-    BENCH real_peak gflops=<measured float32 matmul peak>
+    BENCH real_peak gflops=<measured matmul peak> dtype=<--dtype>
+and with `--dtype=bfloat16` (every framework's weights and compute in bfloat16, LoRA factors
+float32; jaxlm as train.py runs it: unrolled layers, the LoRA step through the CPU train
+layout) the same lines as `BENCH real_bf16_...`, MFU over the bfloat16 peak.
 """
 from __future__ import annotations
 
@@ -70,6 +73,7 @@ from jaxlm import decode  # noqa: E402
 from jaxlm.convert import __main__ as convert  # noqa: E402
 from bench.common import allocator_line, host_line, matmul_peak, model_flops_per_token, timed  # noqa: E402
 from bench.train_step import interleaved, jaxlm_runner, keras_runner  # noqa: E402
+from jaxlm.train import trainer  # noqa: E402
 
 FRAMEWORKS = ("jaxlm", "hf", "keras")
 PROMPT_LEN = 32
@@ -143,18 +147,19 @@ def _params_from_hf(sd: dict, cfg) -> dict:
     return out
 
 
-def load(framework: str, src: dict):
-    """-> the framework's model (jaxlm: (model, params); hf: torch module; keras: Gemma3CausalLM)."""
+def load(framework: str, src: dict, dtype: str = "float32"):
+    """-> the framework's model in `dtype` (jaxlm: (model, params); hf: torch module; keras:
+    Gemma3CausalLM)."""
     if framework == "jaxlm":
-        return jaxlm.load(src["jaxlm"], "float32")
+        return jaxlm.load(src["jaxlm"], dtype)
     if framework == "hf":
         import torch
         import transformers
         folder, gguf_file = src["hf"]
         kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **kwargs)
     import keras_hub
-    return keras_hub.models.Gemma3CausalLM.from_preset(src["keras"], preprocessor=None)
+    return keras_hub.models.Gemma3CausalLM.from_preset(src["keras"], preprocessor=None, dtype=dtype)
 
 
 # --- Training --------------------------------------------------------------------------------
@@ -185,11 +190,14 @@ def hf_runner(hf, batch, lora_rank: int):
 def runner(framework: str, model, batch, batch_size: int, lora_rank: int, layers: str):
     if framework == "jaxlm":
         m, params = model
-        if layers == "unrolled":
+        narrow = m.config.dtype != "float32"
+        if layers == "unrolled" or narrow:  # train.py unrolls a narrow step on CPU
             m = type(m)(m.config.replace(scan_layers=False))
         if not lora_rank:  # the step donates what it trains; keep the loaded weights
             params = jax.tree.map(lambda x: x.copy(), params)
-        return jaxlm_runner(m, params, batch, lora_rank)
+        # the CPU train layout where train.py builds one (a narrow LoRA step of a small base)
+        layout = trainer.train_layout_of(m, params, lora=bool(lora_rank), platform="cpu")
+        return jaxlm_runner(m, params, batch, lora_rank, layout)
     if framework == "hf":
         return hf_runner(model, batch, lora_rank)
     return keras_runner(model.backbone, batch, batch_size, lora_rank, task="Gemma3CausalLM")
@@ -247,7 +255,7 @@ def child(args) -> int:
     src = json.loads(args._src)
     src["hf"] = tuple(src["hf"])
     seq, batch_size = args.seqs[0], args.batches[0]
-    model = load(framework, src)
+    model = load(framework, src, args.dtype)
     vocab = (model[0].config.vocab_size if framework == "jaxlm" else
              model.config.vocab_size if framework == "hf" else model.backbone.vocabulary_size)
     run = runner(framework, model, random_batch(vocab, batch_size, seq), batch_size,
@@ -265,7 +273,7 @@ def in_own_process(framework: str, mode: str, seq: int, batch_size: int, src: di
     argv = [sys.executable, os.path.abspath(__file__), f"--_child={framework},{mode}",
             f"--_src={json.dumps(src)}", f"--seqs={seq}", f"--batches={batch_size}",
             f"--steps={args.steps}", f"--warmup={args.warmup}", f"--rank={args.rank}",
-            f"--layers={args.layers}"] + ([f"--torch_threads={args.torch_threads}"] if args.torch_threads else [])
+            f"--layers={args.layers}", f"--dtype={args.dtype}"] + ([f"--torch_threads={args.torch_threads}"] if args.torch_threads else [])
     r = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
     fields = dict(x.split(" ", 1) for x in r.stdout.splitlines()
                   if x.split(" ")[0] in ("BASE_RSS_KB", "PEAK_RSS_KB", "STEP_TIMES"))
@@ -298,7 +306,10 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--rank", type=int, default=4)
-    p.add_argument("--layers", default="scan", choices=["scan", "unrolled"], help="jaxlm's layer form")
+    p.add_argument("--layers", default="scan", choices=["scan", "unrolled"],
+                   help="jaxlm's layer form (bfloat16: unrolled, as train.py)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="every framework's weights and compute (LoRA factors float32)")
     p.add_argument("--decode_batches", default="1,4")
     p.add_argument("--new_tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -331,14 +342,14 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as workdir:
         src = prepare(args.tiny, workdir)
-        peak = matmul_peak(sizes=(512,) if args.quick else (1024, 2048, 4096))
-        print(f"measured float32 matmul peak: {peak / 1e9:.1f} GFLOP/s")
-        models = {f: load(f, src) for f in frameworks}
+        peak = matmul_peak(sizes=(512,) if args.quick else (1024, 2048, 4096), dtype=args.dtype)
+        print(f"measured {args.dtype} matmul peak: {peak / 1e9:.1f} GFLOP/s")
+        models = {f: load(f, src, args.dtype) for f in frameworks}
         cfg = models["jaxlm"][0].config if "jaxlm" in models else jaxlm.load(src["jaxlm"], abstract=True)[0].config
         print(f"model: {'tiny random Gemma 3' if args.tiny else 'Gemma 3 270M (demo GGUF)'}, "
               f"{cfg.num_params:,} parameters, vocab {cfg.vocab_size}, {cfg.num_layers} layers")
         if args.tiny and {"jaxlm", "hf", "keras"} <= set(models):
-            check_same_logits(models, cfg.vocab_size)
+            check_same_logits(models, cfg.vocab_size, args.dtype)
 
         lines = list(decode_bench(models, cfg.vocab_size, args).values())  # before training
         memory = {}
@@ -357,7 +368,7 @@ def main(argv=None) -> int:
                                 memory.setdefault(mode, {})[f] = (got["peak"], got["delta"])
                 else:
                     if seq != args.seqs[0]:  # PEFT and enable_lora change their model in place
-                        models.update({f: load(f, src) for f in models if f != "jaxlm"})
+                        models.update({f: load(f, src, args.dtype) for f in models if f != "jaxlm"})
                     batch = random_batch(cfg.vocab_size, batch_size, seq)
                     runners = {f: runner(f, models[f], batch, batch_size, rank, args.layers)
                                for f in frameworks}
@@ -383,8 +394,10 @@ def main(argv=None) -> int:
     print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} (1, 5 min) on {os.cpu_count()} cores")
     print(allocator_line())
     print(host_line())
+    if args.dtype != "float32":  # BENCH real_bf16_train_lora_t128 ...: not the float32 lines
+        lines = [x.replace("BENCH real_", "BENCH real_bf16_", 1) for x in lines]
     print("\n".join(lines))
-    print(f"BENCH real_peak gflops={peak / 1e9:.1f}")
+    print(f"BENCH real_peak gflops={peak / 1e9:.1f} dtype={args.dtype}")
     return 0
 
 
@@ -425,19 +438,22 @@ def decode_bench(models: dict, vocab: int, args) -> dict:
     return out
 
 
-def check_same_logits(models: dict, vocab: int) -> None:
-    """The tiny model is the same model in all three (else the bench compares different nets)."""
+def check_same_logits(models: dict, vocab: int, dtype: str = "float32") -> None:
+    """The tiny model is the same model in all three (else the bench compares different nets);
+    in bfloat16, to within its rounding."""
     import torch
     ids = np.random.RandomState(1).randint(3, vocab, (2, 24)).astype(np.int32)
     m, params = models["jaxlm"]
-    ours = np.asarray(jax.jit(m.apply)({"params": params}, ids))
+    ours = np.asarray(jax.jit(m.apply)({"params": params}, ids), np.float32)
     with torch.no_grad():
-        hf = models["hf"](input_ids=torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
-    keras = np.asarray(models["keras"]({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}))
+        hf = models["hf"](input_ids=torch.as_tensor(ids, dtype=torch.long)).logits.float().numpy()
+    keras = np.asarray(models["keras"]({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}),
+                       np.float32)
+    tol = 1e-3 if dtype == "float32" else 0.05 * max(1.0, float(np.abs(hf).max()))
     for name, theirs in (("hf", hf), ("keras", keras)):
         err = float(np.abs(ours - theirs).max())
         print(f"tiny model logits, jaxlm vs {name}: max |diff| {err:.2e}")
-        if err > 1e-3:
+        if err > tol:
             raise SystemExit(f"the tiny model differs between jaxlm and {name} ({err:.2e}); fix the mapping")
 
 

@@ -1,6 +1,6 @@
 """What the real Gemma 3 270M LoRA step costs: interleaved A/Bs in one process, one CPU device.
 
-    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,tables,activations,layout,scored] [--batch=8]
+    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,tables,activations,layout,scored,train_layout] [--batch=8]
                                  [--seq=40] [--rounds=3] [--decode_batches=4,8,16,40]
                                  [--new_tokens=48] [--tiny]
 
@@ -19,6 +19,8 @@
           (`sharding.activation_rules`: attention rows over both mesh axes) vs none (XLA's
           partitioner alone); every other A/B uses the rules where train.py does
           (`jaxlm.train.trainer.activation_rules`: not with the layer scan on CPU)
+  train_layout  the LoRA step in bfloat16 (`jaxlm.load(GGUF, "bfloat16")`, unrolled layers as
+          train.py) on one device with the CPU train layout (`models.train_layout`) vs without
   layout  greedy decoding, one device, with vs without the CPU decode step layout, at each of
           --decode_batches (default 4,8,16,40) with --new_tokens (48) after 32-token prompts
   scored  the demo's LoRA step on `--mesh=1x8` on its own first batch (the built-in tasks,
@@ -27,7 +29,7 @@
           device with every target weighted (random tokens), where the per-row sort is all
           the change adds
 
-Float32, LoRA rank 4, AdamW (the trainer's optimizer), random tokens, the demo's batch 8 x 40
+Float32 (train_layout: bfloat16), LoRA rank 4, AdamW (the trainer's optimizer), random tokens, the demo's batch 8 x 40
 by default. Each variant is compiled first; then they take turns, 3 steps a turn with the
 first dropped, `--rounds` times; the best and the median are printed. Interleaving puts a
 shared machine's drift on every variant alike; the ratios are the result, not the ms.
@@ -45,8 +47,12 @@ import statistics
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+# 8 simulated devices only for the A/Bs that use them: with them, XLA:CPU ran the real model's
+# one-device bfloat16 LoRA step 1.7-2x slower (6718 vs 3395 ms at 8 x 128, 2026-12-03).
+_WHAT = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--what=")), "mesh,loss,budget,layers")
+if set(_WHAT.split(",")) & {"mesh", "generate", "tables", "activations", "scored"}:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -69,17 +75,18 @@ def model_source(tiny: bool) -> str | None:
     return str(assemble())
 
 
-def load(source, placement=None):
+def load(source, placement=None, dtype="float32"):
     if source is None:  # a tiny Gemma 3-like config
         cfg = PRESETS["gemma_tiny"].replace(num_layers=6, sliding_window_size=8, sliding_window_pattern=6,
                                             use_query_key_norm=True, use_post_attention_norm=True,
-                                            use_post_ffw_norm=True)
+                                            use_post_ffw_norm=True, dtype=dtype)
         model = Gemma(cfg)
-        params = jax.jit(lambda k: model.init(k, np.zeros((1, 1), np.int32)))(jax.random.key(0))["params"]
+        params = jax.jit(lambda k: jax.tree.map(lambda x: x.astype(dtype), model.init(
+            k, np.zeros((1, 1), np.int32))))(jax.random.key(0))["params"]
         if placement is not None:
             params = unflatten({p: jax.device_put(x, placement(p, x.shape)) for p, x in flatten(params).items()})
         return model, params
-    return jaxlm.load(source, "float32", placement=placement)
+    return jaxlm.load(source, dtype, placement=placement)
 
 
 def config(source):
@@ -88,7 +95,7 @@ def config(source):
 
 
 def lora_step(model, params, mesh, batch_size: int, seq: int, chunk_logits=None, layout=None,
-              activations: bool = True, rows: dict | None = None):
+              activations: bool = True, rows: dict | None = None, train_layout=None):
     """-> [compiled step, state, frozen, batch] of the trainer's LoRA step on `mesh` (with the
     layout table's activation rules, as train.py, unless `activations` is False), on `rows`
     ({"token_ids", "padding_mask"[, "loss_mask"]} [B, T+1]) or random tokens, every one scored."""
@@ -97,18 +104,19 @@ def lora_step(model, params, mesh, batch_size: int, seq: int, chunk_logits=None,
     built = trainer.build(params, mesh, param_specs=specs,
                           loss_fn=L.lm_loss_fn(model, chunk_logits=chunk_logits),
                           optimizer=optim.make_optimizer(), lora=trainer.LoraSpec(4),
-                          activations=acts)
+                          activations=acts, train_layout=train_layout)
     if rows is None:
         ids = np.random.RandomState(0).randint(3, model.config.vocab_size, (batch_size, seq + 1)).astype(np.int32)
         rows = {"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}
     batch = jax.device_put(rows, built.batch_sharding)
     t0 = time.perf_counter()
-    compiled = built.step.lower(built.state, built.frozen, batch).compile()
+    frozen = built.step_frozen(built.frozen)
+    compiled = built.step.lower(built.state, frozen, batch).compile()
     seconds, memory = time.perf_counter() - t0, compiled.memory_analysis()
     info = {"compile_s": seconds, "temp_gib": memory.temp_size_in_bytes / 2 ** 30,
             "args_gib": memory.argument_size_in_bytes / 2 ** 30,
             "collectives": {k: v for k, v in aot.count_collectives(compiled.as_text()).items() if v}}
-    return [compiled, built.state, built.frozen, batch], info
+    return [compiled, built.state, frozen, batch], info
 
 
 def demo_rows(source, batch_size: int, seq: int) -> dict:
@@ -252,6 +260,13 @@ def main(argv=None) -> int:
             model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
             for name, on in (("table", True), ("partitioner", False)):
                 run, info[name] = lora_step(model, params, mesh, args.batch, args.seq, activations=on)
+                runs[name] = stepper(run)
+        elif what == "train_layout":
+            model, params = load(source, dtype="bfloat16")
+            model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
+            laid = trainer.train_layout_of(model, params, lora=True, platform="cpu")
+            for name, tl in (("laid", laid), ("plain", None)):
+                run, info[name] = lora_step(model, params, one, args.batch, args.seq, train_layout=tl)
                 runs[name] = stepper(run)
         elif what == "layout":
             runs = layout_runs(*load(source), args.decode_batches, args.new_tokens)

@@ -100,17 +100,21 @@ def keras_runner(backbone, batch, batch_size: int, lora_rank: int, task: str = "
     return run
 
 
-def jaxlm_runner(model, params, batch, lora_rank: int):
-    """-> run(n): seconds per synced step for n more steps of the same jitted step."""
+def jaxlm_runner(model, params, batch, lora_rank: int, train_layout=None):
+    """-> run(n): seconds per synced step for n more steps of the same jitted step.
+    train_layout: under LoRA, the trainer's (`jaxlm.train.trainer.train_layout_of`)."""
     optimizer = optim.make_optimizer(optim.OptimConfig())
     if lora_rank:
         trainable = lora.init(params, lora_rank, key=jax.random.key(0))
         frozen, merge = params, lora.merge
+        if train_layout is not None:
+            frozen = (params, train_layout(params, tuple(lora.find_targets(params))))
     else:
         trainable, frozen, merge = params, None, None
     state = init_state(trainable, optimizer)
     del trainable, params
-    step = make_train_step(lm_loss_fn(model), optimizer, merge=merge)
+    step = make_train_step(lm_loss_fn(model), optimizer, merge=merge,
+                           layout=train_layout is not None and bool(lora_rank))
     device_batch = jax.device_put(batch)
 
     def one():

@@ -140,6 +140,19 @@ def test_real_model_bench_runs_all_three_frameworks_on_a_tiny_gemma3():
     positive(lines["real_train_lora_t32"]["mfu"])
 
 
+def test_real_model_bench_runs_in_bfloat16_with_the_train_layout():
+    """--dtype=bfloat16: every framework in bfloat16, jaxlm's LoRA step through the CPU train
+    layout, the lines named real_bf16_..."""
+    out, lines = run_bench("real_model.py", "--tiny", "--quick", "--dtype=bfloat16", "--modes=lora",
+                           "--seqs=16", "--batches=2", "--decode_batches=2", "--memory=off",
+                           "--torch_threads=1")
+    assert "measured bfloat16 matmul peak" in out and lines["real_peak"]["dtype"] == "bfloat16"
+    fields = lines["real_bf16_train_lora_t16"]
+    for name in ("jaxlm", "hf", "keras", "mfu"):
+        positive(fields[name])
+    positive(lines["real_bf16_decode_b2"]["jaxlm"])
+
+
 def test_compile_time_bench_reports_a_ratio():
     _, lines = run_bench("compile_time.py", "--layers=1,2")
     positive(lines["compile_2_vs_1"]["ratio"])
