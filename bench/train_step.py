@@ -108,7 +108,7 @@ def jaxlm_runner(model, params, batch, lora_rank: int, train_layout=None):
         trainable = lora.init(params, lora_rank, key=jax.random.key(0))
         frozen, merge = params, lora.merge
         if train_layout is not None:
-            frozen = (params, train_layout(params, tuple(lora.find_targets(params))))
+            frozen = (params, train_layout(params))
     else:
         trainable, frozen, merge = params, None, None
     state = init_state(trainable, optimizer)

@@ -9,20 +9,27 @@ than the product saves. The train layout is therefore the frozen weights stored 
 time, in the form their stored layout lacks, built once before training (`build`): the
 frozen base is doubled in memory, so it is for bases that are small next to the machine
 (`pays`). The real Gemma 3 270M's bfloat16 LoRA step, 8 x 128 tokens, one device of a
-2-core AMX-BF16 host: 4825 -> 2982 ms (`python bench/real_step_ab.py --what=train_layout
---seq=128`'s `BENCH real_ab_train_layout`), 339.1 tokens/s against HF transformers + PEFT's
-249.8 in bfloat16 (`python bench/real_model.py --dtype=bfloat16`; bench/README.md).
+2-core AMX-BF16 host: 4923 -> 2714 ms (`python bench/real_step_ab.py --what=train_layout
+--seq=128`'s `BENCH real_ab_train_layout`; bench/README.md).
 tests/test_kernels.py checks it against the plain step.
 
-    layout = train_layout.build(model, base, skip=lora.find_targets(base))
-    with train_layout.products():
-        model.apply({"params": merged, train_layout.COLLECTION: layout}, ...)
+    layout = train_layout.build(model, base)
+    with train_layout.products(adapters.scale):
+        model.apply({"params": base, train_layout.COLLECTION: layout,
+                     train_layout.LORA: dict(adapters)}, ...)
 
 (`jaxlm.train.loss.lm_loss_fn` does the last two, `jaxlm.train.trainer` the first.) Like the
 decoder's step layout (models/kernels.py), it is state its caller owns, passed to every step.
+
+The base is not merged with the LoRA factors here, so the targeted kernels keep their copies
+too: an adapted product is x @ W through the layout plus scale * (x @ A) @ B (PEFT's form;
+`jaxlm.lora.merge` multiplies by W + scale * A @ B, the same sum). Merged, the step would
+multiply a new kernel every step in the slow form (about 400 ms of a 3 s step for the 270M's
+query and value kernels), and a bfloat16 merge rounds away a small update A @ B.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -33,6 +40,7 @@ from jax.custom_derivatives import SymbolicZero
 from models import layers
 
 COLLECTION = "train_layout"  # the Flax collection that holds it
+LORA = "lora"  # and the one that holds the LoRA factors, unmerged, at their modules
 MAX_BYTES = 2 << 30  # copies held for the whole run; larger bases train without
 
 
@@ -42,36 +50,23 @@ def pays(platform: str, dtype, nbytes: int) -> bool:
     return platform == "cpu" and jnp.dtype(dtype) != jnp.float32 and nbytes <= MAX_BYTES
 
 
-def build(model, params, skip=()) -> dict:
+def build(model, params) -> dict:
     """-> the train layout of `params` (a Gemma tree), the COLLECTION's variables: mirroring
     the modules, per Einsum its kernel as [in, out] ("forward") and [out, in]
     ("backward") matrices where that is not the stored kernel reshaped, and the tied table
     as [H, V] ("columns"). Built by one model call over two tokens with the collection
-    mutable, so every product's axes are read from its own einsum. `skip`: kernel paths
-    ("decoder_block_0/attention/query/kernel") that change during training (LoRA targets,
-    merged in every step) and so get no copy. Unrolled layers only: a layer scan's modules
-    are unbound, and the step multiplies them as written."""
+    mutable, so every product's axes are read from its own einsum. Unrolled layers only: a
+    layer scan's modules are unbound, and the step multiplies them as written."""
     if getattr(model.config, "scan_layers", False):
         model = type(model)(model.config.replace(scan_layers=False))
-    skipped = {p.rsplit("/", 1)[0] for p in skip}
 
     def make(params):
         with nn.intercept_methods(_intercept):
             _, made = model.apply({"params": params}, jnp.zeros((1, 2), jnp.int32),
                                   return_hidden=True, mutable=[COLLECTION])
         table = params["token_embedding"]["embeddings"].astype(model.config.dtype)
-        return {**_without(made[COLLECTION], skipped), "token_embedding": {"columns": table.T}}
+        return {**made[COLLECTION], "token_embedding": {"columns": table.T}}
     return jax.jit(make)(params)
-
-
-def _without(tree: dict, paths: set, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        path = f"{prefix}{k}"
-        if path in paths:
-            continue
-        out[k] = _without(v, paths, path + "/") if isinstance(v, dict) else v
-    return out
 
 
 def axes(eq: str):
@@ -89,9 +84,10 @@ def _matrix(kernel, rows, cols):
     return jnp.transpose(kernel, rows + cols).reshape(math.prod(shape[i] for i in rows), -1)
 
 
-def _intercept(next_fun, args, kwargs, context):
+def _intercept(next_fun, args, kwargs, context, scale=1.0):
     """Flax method interceptor: builds the train layout (collection mutable) or multiplies
-    through it (collection passed in); anything without an entry runs as written."""
+    through it (collection passed in), adding a module's LoRA factors times `scale`; anything
+    without an entry runs as written."""
     module = context.module
     building = module.is_mutable_collection(COLLECTION)
     if not (isinstance(module, layers.Einsum) and context.method_name == "__call__"):
@@ -101,7 +97,7 @@ def _intercept(next_fun, args, kwargs, context):
     if eq is None:
         return next_fun(*args, **kwargs)
     laid = any(module.has_variable(COLLECTION, name) for name in ("forward", "backward"))
-    if not (building or laid):  # a LoRA target, or no layout passed
+    if not (building or laid):  # no layout passed
         return next_fun(*args, **kwargs)
     kernel = next_fun(None)
     ins, outs = axes(eq)
@@ -117,7 +113,20 @@ def _intercept(next_fun, args, kwargs, context):
     n_in = len(ins)
     flat = x.reshape(-1, math.prod(x.shape[-n_in:])).astype(module.dtype)
     y = product(flat, form("forward", ins, outs), form("backward", outs, ins))
-    return y.reshape(*x.shape[:-n_in], *(module.shape[i] for i in outs))
+    y = y.reshape(*x.shape[:-n_in], *(module.shape[i] for i in outs))
+    if module.has_variable(LORA, "lora_a"):
+        a, b = (module.get_variable(LORA, f).astype(module.dtype) for f in ("lora_a", "lora_b"))
+        y = y + _low_rank(eq, x.astype(module.dtype), a, b * jnp.asarray(scale, module.dtype))
+    return y
+
+
+def _low_rank(eq: str, x, a, b):
+    """einsum(eq, x, A @ B) as (x . A) . B: A [*K[:-1], r], B [r, K[-1]] (`jaxlm.lora`'s factors,
+    the product batched over the kernel's leading axes), never forming A @ B."""
+    (x_spec, k_spec), y_spec = eq.split("->")[0].split(","), eq.split("->")[1]
+    r = next(c for c in "ZYXWVUSRQPOMLKJIGFEDCBA" if c not in eq)
+    return jnp.einsum(f"{x_spec},{k_spec[:-1]}{r},{r}{k_spec[-1]}->{y_spec}", x, a, b,
+                      optimize="optimal")
 
 
 def holds(module) -> bool:
@@ -126,9 +135,10 @@ def holds(module) -> bool:
         module.has_variable(COLLECTION, name) for name in ("forward", "backward"))
 
 
-def products():
-    """Context in which a model traced with its `train_layout` passed in multiplies through it."""
-    return nn.intercept_methods(_intercept)
+def products(scale: float = 1.0):
+    """Context in which a model traced with its train layout (and LoRA factors, times `scale`)
+    passed in multiplies through them."""
+    return nn.intercept_methods(functools.partial(_intercept, scale=scale))
 
 
 @jax.custom_vjp

@@ -249,21 +249,25 @@ def lm_loss_fn(model, *, chunk_size: int | None = None, chunk_logits: int | None
     `jaxlm.data.packing`).
     chunk_size / chunk_logits: see `chunked_cross_entropy` (a step compiled for another
     platform than this host's passes that platform's CHUNK_LOGITS).
-    layout: the frozen base's CPU train layout (`models.train_layout.build`), passed by a
-    step made with `layout=True`; its products then run through it.
+    layout, adapters: the frozen base's CPU train layout (`models.train_layout.build`) and
+    the LoRA adapters, unmerged (`params` is then the base), passed by a step made with
+    `layout=True`: the products run through the layout, the adapters beside them.
     """
     cap = getattr(model.config, "final_logit_soft_cap", None)
 
-    def loss_fn(params, batch, rng, layout=None):
+    def loss_fn(params, batch, rng, layout=None, adapters=None):
         del rng  # Gemma has no dropout; the argument keeps the signature shared with MLM
         inputs, input_mask, targets, weights = shift(batch["token_ids"], batch["padding_mask"])
         if "loss_mask" in batch:  # --loss_on=response, packed rows: only these targets count
             weights = batch["loss_mask"][:, 1:]
         packed = {k: batch[k][:, :-1] for k in ("segment_ids", "positions") if k in batch}
         variables = {"params": params}
-        with contextlib.nullcontext() if layout is None else train_layout.products():
-            if layout is not None:
-                variables[train_layout.COLLECTION] = layout
+        if layout is not None:
+            variables[train_layout.COLLECTION] = layout
+        if adapters is not None:
+            variables[train_layout.LORA] = dict(adapters)
+        scale = 1.0 if adapters is None else adapters.scale
+        with contextlib.nullcontext() if layout is None else train_layout.products(scale):
             hidden = model.apply(variables, inputs, input_mask, return_hidden=True, **packed)
         columns = None if layout is None else layout.get("token_embedding", {}).get("columns")
         m = chunked_cross_entropy(hidden, params["token_embedding"]["embeddings"], targets, weights,

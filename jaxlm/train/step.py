@@ -53,8 +53,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     *_shardings, mesh: explicit jit in/out shardings (all or none); metrics come back replicated.
     activations: the layout table's activation rules (`jaxlm.train.trainer.activation_rules`),
       which the model's `layers.constrain` calls follow on `mesh`; None leaves them to XLA.
-    layout: `frozen` is a pair (base, its CPU train layout from `models.train_layout.build`),
-      which the step passes to `loss_fn(params, batch, rng, layout=...)`.
+    layout: `frozen` is a pair (base, its CPU train layout from `models.train_layout.build`)
+      and `trainable` the LoRA adapters, which the step does not merge: it calls
+      `loss_fn(base, batch, rng, layout=..., adapters=trainable)`.
     Returned metrics: loss, accuracy (per weighted token), count, grad_norm (before clipping).
     """
     def params_of(frozen, trainable):
@@ -64,7 +65,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         def objective(tr):
             if layout:
                 base, laid = frozen
-                return loss_fn(params_of(base, tr), batch, rng, layout=laid)
+                return loss_fn(base, batch, rng, layout=laid, adapters=tr)
             return loss_fn(params_of(frozen, tr), batch, rng)
         with layers.activation_layout(mesh, activations):
             (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(trainable)

@@ -77,7 +77,7 @@ def train_layout_of(model, params, *, lora: bool, platform: str) -> Callable | N
     """`build`'s train_layout for a LoRA step of `model` (as `training_model` returns it) over
     the base `params` on `platform`, or None where it does not pay (`models.train_layout.pays`:
     CPU, a narrow compute dtype, a base whose copies fit; the Gemma 3 270M's bfloat16 LoRA
-    step 1.6x faster on a 2-core AMX-BF16 host, bench/README.md)."""
+    step 1.8x faster on a 2-core AMX-BF16 host, bench/README.md)."""
     if not lora or getattr(model.config, "family", None) != "gemma":
         return None
     dtype = model.config.dtype
@@ -158,7 +158,7 @@ def build(params, mesh, *, param_specs, loss_fn: Callable,
     -> (loss_sum, metric sums incl. "count"), e.g. `jaxlm.train.loss.lm_loss_fn(model)`.
     trainable_dtype: the adapters' dtype (the precision policy's master dtype).
     activations: the layout table's activation rules for this step (`activation_rules`).
-    train_layout: under LoRA, (base, skipped kernel paths) -> the base's CPU train layout
+    train_layout: under LoRA, base -> the base's CPU train layout
       (`models.train_layout.build` bound to the model; see `train_layout_of`): the step
       multiplies the frozen weights through it, and `Trainer.step_frozen` builds it.
     """
@@ -178,9 +178,8 @@ def build(params, mesh, *, param_specs, loss_fn: Callable,
                            layout=train_layout is not None)
     if train_layout is None:
         return Trainer(state=state, frozen=frozen, step=step, batch_sharding=batch_shd)
-    skip = tuple(lora_lib.find_targets(params, trainable.targets))
     return Trainer(state=state, frozen=frozen, step=step, batch_sharding=batch_shd,
-                   step_frozen=lambda base: (base, train_layout(base, skip)))
+                   step_frozen=lambda base: (base, train_layout(base)))
 
 
 def abstract_batch(batch_size: int, sequence_length: int, sharding_, accum_steps: int = 1,
