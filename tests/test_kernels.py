@@ -258,6 +258,29 @@ def test_the_train_layout_holds_each_frozen_weight_in_the_form_it_lacks():
                                   params["token_embedding"]["embeddings"].T)
 
 
+@pytest.mark.parametrize("targets", [None, (".*/kernel",)])
+def test_lora_beside_the_train_layout_is_the_merged_step_in_float32(targets):
+    """The math, without bfloat16's rounding: the step through the layout with the LoRA
+    factors added beside each product (scale 4) equals the merged plain step, for KerasHub's
+    targets and with every kernel adapted (each einsum's low-rank form)."""
+    from jaxlm import lora
+    from jaxlm.train.loss import lm_loss_fn
+    model = Gemma(LAID.replace(dtype="float32"))
+    ids = jax.random.randint(jax.random.key(1), (2, 9), 0, LAID.vocab_size)
+    params = model.init(jax.random.key(0), ids[:, :-1])["params"]
+    adapters = jax.tree.map(lambda a: a + 0.1, lora.init(params, 4, key=jax.random.key(2),
+                                                          alpha=16.0, targets=targets))
+    layout = train_layout.build(model, params)
+    batch = {"token_ids": ids, "padding_mask": jnp.ones_like(ids, bool)}
+    loss = lm_loss_fn(model)
+    plain = jax.jit(jax.value_and_grad(lambda a: loss(lora.merge(params, a), batch, None)[0]))(adapters)
+    laid = jax.jit(jax.value_and_grad(
+        lambda a: loss(params, batch, None, layout=layout, adapters=a)[0]))(adapters)
+    np.testing.assert_allclose(laid[0], plain[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(laid[1]), jax.tree.leaves(plain[1])):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * float(np.abs(b).max()))
+
+
 @pytest.mark.parametrize("alpha", [None, 16.0])
 def test_a_bfloat16_lora_step_through_the_train_layout_is_as_close_to_float32_as_the_plain_one(alpha):
     """Loss and adapter gradients of a bfloat16 Gemma LoRA step through the layout, with the
