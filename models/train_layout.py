@@ -98,6 +98,8 @@ def _intercept(next_fun, args, kwargs, context, scale=1.0):
         return next_fun(*args, **kwargs)
     laid = any(module.has_variable(COLLECTION, name) for name in ("forward", "backward"))
     if not (building or laid):  # no layout passed
+        if module.has_variable(LORA, "lora_a"):  # unmerged factors need the layout's product
+            raise ValueError(f"LoRA factors at {'/'.join(module.path)} but no train layout there")
         return next_fun(*args, **kwargs)
     kernel = next_fun(None)
     ins, outs = axes(eq)

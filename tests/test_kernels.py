@@ -313,6 +313,20 @@ def test_a_bfloat16_lora_step_through_the_train_layout_is_as_close_to_float32_as
     assert "name=product" not in str(jax.make_jaxpr(jax.grad(f))(adapters, None))
 
 
+def test_unmerged_adapters_never_go_unused():
+    """Passed beside the layout, the LoRA factors must reach every adapted product: a layer
+    scan (whose blocks see only their params) and a module without a layout are refused."""
+    from jaxlm.train.loss import lm_loss_fn
+    model, params, adapters, layout, batch = _laid_setup()
+    scanned = Gemma(LAID.replace(scan_layers=True))
+    with pytest.raises(ValueError, match="unrolled layers"):
+        lm_loss_fn(scanned)(params, batch, None, layout=layout, adapters=adapters)
+    partial = {**layout, "decoder_block_1": {k: v for k, v in layout["decoder_block_1"].items()
+                                             if k != "attention"}}
+    with pytest.raises(ValueError, match="decoder_block_1/attention/query but no train layout"):
+        lm_loss_fn(model)(params, batch, None, layout=partial, adapters=adapters)
+
+
 def test_the_train_layout_is_for_narrow_small_bases_on_cpu_only():
     most = train_layout.MAX_BYTES
     assert train_layout.pays("cpu", jnp.bfloat16, most)

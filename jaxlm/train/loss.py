@@ -261,6 +261,9 @@ def lm_loss_fn(model, *, chunk_size: int | None = None, chunk_logits: int | None
         if "loss_mask" in batch:  # --loss_on=response, packed rows: only these targets count
             weights = batch["loss_mask"][:, 1:]
         packed = {k: batch[k][:, :-1] for k in ("segment_ids", "positions") if k in batch}
+        if layout is not None and getattr(model.config, "scan_layers", False):
+            # a scan applies its blocks apart from these collections: the adapters would be lost
+            raise ValueError("the train layout needs unrolled layers (scan_layers=False)")
         variables = {"params": params}
         if layout is not None:
             variables[train_layout.COLLECTION] = layout
