@@ -274,11 +274,8 @@ def _step_product(module: layers.Einsum, kernel, eq: str, x):
     """x [B, 1, *in] -> [B, 1, *out] through the kernel's [out, in] rows (see decode_steps)."""
     in_axes, out_axes = train_layout.axes(eq)
     out_shape = [module.shape[i] for i in out_axes]
-
-    def rows():
-        return jnp.transpose(kernel, out_axes + in_axes).reshape(math.prod(out_shape), -1)
-
-    rows = module.variable("step_layout", "kernel", rows).value
+    rows = module.variable("step_layout", "kernel",
+                           lambda: train_layout.matrix(kernel, out_axes, in_axes)).value
     b = x.shape[0]
     y = matmul_rows(rows, x.reshape(b, -1).astype(module.dtype))
     return y.reshape(b, 1, *out_shape)

@@ -78,7 +78,7 @@ def axes(eq: str):
     return ins, [i for i, c in enumerate(k_spec) if c not in x_spec]
 
 
-def _matrix(kernel, rows, cols):
+def matrix(kernel, rows, cols):
     """kernel as a [prod rows, prod cols] matrix, axes `rows` then `cols`."""
     shape = kernel.shape
     return jnp.transpose(kernel, rows + cols).reshape(math.prod(shape[i] for i in rows), -1)
@@ -89,29 +89,27 @@ def _intercept(next_fun, args, kwargs, context, scale=1.0):
     through it (collection passed in), adding a module's LoRA factors times `scale`; anything
     without an entry runs as written."""
     module = context.module
-    building = module.is_mutable_collection(COLLECTION)
     if not (isinstance(module, layers.Einsum) and context.method_name == "__call__"):
         return next_fun(*args, **kwargs)
     bound = {**dict(zip(("eq", "x"), args)), **kwargs}
     eq, x = bound.get("eq"), bound.get("x")
     if eq is None:
         return next_fun(*args, **kwargs)
-    laid = any(module.has_variable(COLLECTION, name) for name in ("forward", "backward"))
-    if not (building or laid):  # no layout passed
+    if not holds(module):  # no layout passed
         if module.has_variable(LORA, "lora_a"):  # unmerged factors need the layout's product
             raise ValueError(f"LoRA factors at {'/'.join(module.path)} but no train layout there")
         return next_fun(*args, **kwargs)
     kernel = next_fun(None)
     ins, outs = axes(eq)
-    if building:  # each form that is not the stored kernel reshaped
+    if module.is_mutable_collection(COLLECTION):  # building: each form not the stored kernel
         for name, (rows, cols) in (("forward", (ins, outs)), ("backward", (outs, ins))):
             if rows + cols != sorted(rows + cols):
-                module.variable(COLLECTION, name, lambda r=rows, c=cols: _matrix(kernel, r, c))
+                module.variable(COLLECTION, name, lambda r=rows, c=cols: matrix(kernel, r, c))
 
     def form(name, rows, cols):
         if module.has_variable(COLLECTION, name):
             return module.get_variable(COLLECTION, name)
-        return _matrix(kernel, rows, cols)
+        return matrix(kernel, rows, cols)
     n_in = len(ins)
     flat = x.reshape(-1, math.prod(x.shape[-n_in:])).astype(module.dtype)
     y = product(flat, form("forward", ins, outs), form("backward", outs, ins))

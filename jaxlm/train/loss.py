@@ -261,18 +261,18 @@ def lm_loss_fn(model, *, chunk_size: int | None = None, chunk_logits: int | None
         if "loss_mask" in batch:  # --loss_on=response, packed rows: only these targets count
             weights = batch["loss_mask"][:, 1:]
         packed = {k: batch[k][:, :-1] for k in ("segment_ids", "positions") if k in batch}
-        if layout is not None and getattr(model.config, "scan_layers", False):
-            # a scan applies its blocks apart from these collections: the adapters would be lost
-            raise ValueError("the train layout needs unrolled layers (scan_layers=False)")
-        variables = {"params": params}
+        variables, products, columns = {"params": params}, contextlib.nullcontext(), None
         if layout is not None:
+            if getattr(model.config, "scan_layers", False):
+                # a scan applies its blocks apart from these collections: the adapters would be lost
+                raise ValueError("the train layout needs unrolled layers (scan_layers=False)")
             variables[train_layout.COLLECTION] = layout
-        if adapters is not None:
-            variables[train_layout.LORA] = dict(adapters)
-        scale = 1.0 if adapters is None else adapters.scale
-        with contextlib.nullcontext() if layout is None else train_layout.products(scale):
+            if adapters is not None:
+                variables[train_layout.LORA] = dict(adapters)
+            products = train_layout.products(1.0 if adapters is None else adapters.scale)
+            columns = layout["token_embedding"]["columns"]
+        with products:
             hidden = model.apply(variables, inputs, input_mask, return_hidden=True, **packed)
-        columns = None if layout is None else layout.get("token_embedding", {}).get("columns")
         m = chunked_cross_entropy(hidden, params["token_embedding"]["embeddings"], targets, weights,
                                   chunk_size=chunk_size, logit_soft_cap=cap,
                                   chunk_logits=chunk_logits, columns=columns)

@@ -176,10 +176,8 @@ def build(params, mesh, *, param_specs, loss_fn: Callable,
                            frozen_shardings=None if frozen is None else shardings_of(frozen),
                            batch_shardings=batch_shd, mesh=mesh, activations=activations,
                            layout=train_layout is not None)
-    if train_layout is None:
-        return Trainer(state=state, frozen=frozen, step=step, batch_sharding=batch_shd)
-    return Trainer(state=state, frozen=frozen, step=step, batch_sharding=batch_shd,
-                   step_frozen=lambda base: (base, train_layout(base)))
+    laid = {} if train_layout is None else {"step_frozen": lambda base: (base, train_layout(base))}
+    return Trainer(state=state, frozen=frozen, step=step, batch_sharding=batch_shd, **laid)
 
 
 def abstract_batch(batch_size: int, sequence_length: int, sharding_, accum_steps: int = 1,
