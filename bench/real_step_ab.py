@@ -1,6 +1,6 @@
 """What the real Gemma 3 270M LoRA step costs: interleaved A/Bs in one process, one CPU device.
 
-    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,tables,activations,layout,scored,train_layout] [--batch=8]
+    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,tables,activations,layout,scored,train_layout,attention] [--batch=8]
                                  [--seq=40] [--rounds=3] [--decode_batches=4,8,16,40]
                                  [--new_tokens=48] [--tiny]
 
@@ -21,6 +21,10 @@
           (`jaxlm.train.trainer.activation_rules`: not with the layer scan on CPU)
   train_layout  the LoRA step in bfloat16 (`jaxlm.load(GGUF, "bfloat16")`, unrolled layers as
           train.py) on one device with the CPU train layout (`models.train_layout`) vs without
+  attention  the same bfloat16 LoRA step, with the train layout, with the CPU attention kernel
+          (`models.kernels.causal_attention`: every product in the fast form, blocks of
+          CPU_QUERY_BLOCK rows) vs the plain attention (`layers.softmax_attention`, blocks of
+          layers.QUERY_BLOCK) as it ran before the kernel
   layout  greedy decoding, one device, with vs without the CPU decode step layout, at each of
           --decode_batches (default 4,8,16,40) with --new_tokens (48) after 32-token prompts
   scored  the demo's LoRA step on `--mesh=1x8` on its own first batch (the built-in tasks,
@@ -29,7 +33,7 @@
           device with every target weighted (random tokens), where the per-row sort is all
           the change adds
 
-Float32 (train_layout: bfloat16), LoRA rank 4, AdamW (the trainer's optimizer), random tokens, the demo's batch 8 x 40
+Float32 (train_layout, attention: bfloat16), LoRA rank 4, AdamW (the trainer's optimizer), random tokens, the demo's batch 8 x 40
 by default. Each variant is compiled first; then they take turns, 3 steps a turn with the
 first dropped, `--rounds` times; the best and the median are printed. Interleaving puts a
 shared machine's drift on every variant alike; the ratios are the result, not the ms.
@@ -140,6 +144,18 @@ def every_chunk():
         yield
     finally:
         L.live_chunks = live
+
+
+@contextlib.contextmanager
+def plain_attention():
+    """Trace training attention as before the CPU kernel: autodiff's products, small blocks."""
+    from models import kernels, layers
+    core, block = kernels._cpu_softmax_attention, kernels.CPU_QUERY_BLOCK
+    kernels._cpu_softmax_attention, kernels.CPU_QUERY_BLOCK = layers.softmax_attention, layers.QUERY_BLOCK
+    try:
+        yield
+    finally:
+        kernels._cpu_softmax_attention, kernels.CPU_QUERY_BLOCK = core, block
 
 
 def layout_runs(model, params, batches: str, new_tokens: int) -> dict:
@@ -267,6 +283,14 @@ def main(argv=None) -> int:
             laid = trainer.train_layout_of(model, params, lora=True, platform="cpu")
             for name, tl in (("laid", laid), ("plain", None)):
                 run, info[name] = lora_step(model, params, one, args.batch, args.seq, train_layout=tl)
+                runs[name] = stepper(run)
+        elif what == "attention":
+            model, params = load(source, dtype="bfloat16")
+            model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
+            laid = trainer.train_layout_of(model, params, lora=True, platform="cpu")
+            for name, scope in (("kernel", contextlib.nullcontext), ("plain", plain_attention)):
+                with scope():
+                    run, info[name] = lora_step(model, params, one, args.batch, args.seq, train_layout=laid)
                 runs[name] = stepper(run)
         elif what == "layout":
             runs = layout_runs(*load(source), args.decode_batches, args.new_tokens)

@@ -160,8 +160,10 @@ class Attention(nn.Module):
             rows = ("attention_batch", None, None, None)
             q, key, value = (layers.constrain(a, rows) for a in (q, key, value))
             mask = layers.constrain(mask, rows[:3])
-            out = layers.grouped_attention(q, key, value, mask, cfg.attention_logit_soft_cap,
-                                           causal=cache is None, window=window)  # [B, T, N, D]
+            if cache is None:
+                out = kernels.causal_attention(q, key, value, mask, cfg.attention_logit_soft_cap, window)
+            else:
+                out = layers.grouped_attention(q, key, value, mask, cfg.attention_logit_soft_cap)
             out = layers.constrain(out, rows)
         out_proj = layers.Einsum((n, d, h), dtype, name="attention_output")
         out = out_proj("BTND,NDH->BTH", out)

@@ -6,7 +6,8 @@ bench measurement that justifies it, and each is checked against the plain math 
 tests/test_kernels.py. On TPU and GPU the plain math runs.
 
 How the platform is chosen:
-  * Training (`gated_ffn`, and the loss's `tied_logits`) goes through `by_platform`, i.e.
+  * Training (`gated_ffn`, `causal_attention`, and the loss's `tied_logits`) goes through
+    `by_platform`, i.e.
     `jax.lax.platform_dependent`: both versions are traced and the one for the platform the
     program is *lowered* for is kept, so a step compiled on a CPU host for a TPU slice
     (`jaxlm.train.aot`) gets the plain math.
@@ -22,6 +23,7 @@ How the platform is chosen:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import jax
@@ -212,6 +214,91 @@ def _cpu_gated_ffn_bwd(residuals, d_out):
 
 
 _cpu_gated_ffn.defvjp(_cpu_gated_ffn_fwd, _cpu_gated_ffn_bwd, symbolic_zeros=True)
+
+
+# --- Training: causal attention in bfloat16 --------------------------------------------------
+
+# Query rows per block for `_cpu_softmax_attention` (layers.QUERY_BLOCK elsewhere): its
+# per-block products are fast enough that fewer, larger blocks pay (`BENCH attention_cpu_bf16`).
+CPU_QUERY_BLOCK = 256
+
+
+def causal_attention(q, k, v, mask, soft_cap: float | None, window: int | None):
+    """Training attention (no cache), `layers.grouped_attention(..., causal=True)`: q [B, T, N,
+    D], k/v [B, T, K, D], mask [B, T, T] -> [B, T, N, D]. In a bfloat16 program for CPU its
+    softmax core is `_cpu_softmax_attention`."""
+    plain = functools.partial(layers.grouped_attention, soft_cap=soft_cap, causal=True, window=window)
+    if jnp.dtype(q.dtype) == jnp.float32:  # XLA:CPU's float32 products gain nothing from it
+        return plain(q, k, v, mask)
+
+    def cpu_attention(q, k, v, mask):
+        return plain(q, k, v, mask, block=CPU_QUERY_BLOCK, core=_cpu_softmax_attention)
+    return by_platform(q, k, v, mask, cpu=cpu_attention, plain=plain)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _cpu_softmax_attention(q, k, v, m, soft_cap):
+    """`layers.softmax_attention` with all six products, forward and backward, in the one form
+    XLA:CPU multiplies bfloat16 fast ([N, K] @ [K, M], a float32 result; models/train_layout.py).
+
+    Autodiff's backward multiplies by the transposes of v, the probabilities and their
+    gradient, and the forward by k's; XLA's layout assignment makes each transpose a
+    column-major operand, which XLA:CPU multiplies in float32 at a quarter of the speed. Here
+    each is written out row-major (`_transposed`, and with more than one KV head also q, k, v
+    and the output gradient: `_row_major`), and every product returns float32. The
+    real Gemma 3 270M's attention forward + backward at 2 x 512 tokens, bfloat16, 18 layers:
+    528 -> 192 ms; at 8 x 128: 159 -> 56 ms (`python bench/attention.py`'s `BENCH
+    attention_cpu_bf16` lines, bench/README.md). The softmax and its backward stay float32.
+    """
+    return _attention_forward(q, k, v, m, soft_cap)[0]
+
+
+def _attention_forward(q, k, v, m, soft_cap):
+    q, k, v = _row_major(q), _row_major(k), _row_major(v)  # with K > 1 they come transposed
+    logits = _batched_product(q, _transposed(k))  # [B, K, R, S]
+    capped = None
+    if soft_cap is not None:
+        capped = jnp.tanh(logits / soft_cap)
+        logits = capped * soft_cap
+    probs = jax.nn.softmax(jnp.where(m, logits, -1e9), axis=-1)
+    out = _batched_product(probs.astype(q.dtype), v).astype(q.dtype)
+    return out, (q, k, v, probs, capped)
+
+
+def _attention_backward(soft_cap, residuals, d_out):
+    q, k, v, probs, capped = residuals
+    d_out = _row_major(d_out.astype(q.dtype))
+    d_v = _batched_product(_transposed(probs.astype(q.dtype)), d_out)
+    d_probs = _batched_product(d_out, _transposed(v))
+    d_logits = probs * (d_probs - jnp.sum(probs * d_probs, axis=-1, keepdims=True))
+    if capped is not None:
+        d_logits = d_logits * (1 - capped * capped)
+    d_logits = d_logits.astype(q.dtype)
+    d_q = _batched_product(d_logits, k)
+    d_k = _batched_product(_transposed(d_logits), q)
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
+
+
+_cpu_softmax_attention.defvjp(_attention_forward, _attention_backward)
+
+
+def _batched_product(a, b):
+    """a [B, K, N, C] @ b [B, K, C, M] -> float32 [B, K, N, M]."""
+    return jax.lax.dot_general(a, b, (((3,), (2,)), ((0, 1), (0, 1))),
+                               preferred_element_type=jnp.float32)
+
+
+def _transposed(x):
+    """x [..., M, N] -> [..., N, M], written out row-major (`_row_major`)."""
+    return _row_major(jnp.swapaxes(x, -1, -2))
+
+
+def _row_major(x):
+    """x, held in memory row-major. XLA is free to give a transposed array a transposed
+    layout rather than move its elements, and XLA:CPU multiplies an operand in any layout but
+    row-major in float32; a reshape to one row per leading index behind a barrier leaves it
+    only the row-major layout."""
+    return jax.lax.optimization_barrier(x.reshape(*x.shape[:-2], -1)).reshape(x.shape)
 
 
 # --- Decoding: one token per step ------------------------------------------------------------

@@ -143,7 +143,7 @@ QUERY_BLOCK = 64  # causal attention: query rows per block (at most 16 blocks)
 
 
 def grouped_attention(q, k, v, mask, soft_cap: float | None = None, *, causal: bool = False,
-                      window: int | None = None):
+                      window: int | None = None, block: int | None = None, core=None):
     """Multi/grouped/multi-query attention. Query head n reads KV head n // G.
 
     q [B, T, N, D] (already scaled), k/v [B, S, K, D], mask [B, T, S] (True = attend)
@@ -158,15 +158,18 @@ def grouped_attention(q, k, v, mask, soft_cap: float | None = None, *, causal: b
     T 512 (8 blocks) 60% less.
     window: with causal, the caller also promises that query t sees no key s <= t - window (a
     sliding-window layer); each block then starts at its first row's earliest visible key.
+    block: the query rows per block (QUERY_BLOCK unless given; at least T / 16). core: `softmax_attention`'s
+    replacement, the same math over the same arguments (models/kernels.py's CPU kernel).
     """
     t = q.shape[1]
-    block = max(QUERY_BLOCK, -(-t // 16))
+    block = max(block or QUERY_BLOCK, -(-t // 16))
+    core = core or softmax_attention
     if not causal or t <= block:
-        return _attention(q, k, v, mask, soft_cap)
+        return _attention(q, k, v, mask, soft_cap, core)
     mask = jnp.broadcast_to(mask, (q.shape[0], t, k.shape[1]))
     first = lambda i: 0 if window is None else max(0, i - window + 1)  # noqa: E731  a block's first key
     outs = [_attention(q[:, i:i + block], k[:, first(i):i + block], v[:, first(i):i + block],
-                       mask[:, i:i + block, first(i):i + block], soft_cap)
+                       mask[:, i:i + block, first(i):i + block], soft_cap, core)
             for i in range(0, t, block)]
     return jnp.concatenate(outs, axis=1)
 
@@ -198,7 +201,7 @@ def fused_causal_attention(q, k, v, window: int | None = None, mask=None, *,
         implementation=implementation)
 
 
-def _attention(q, k, v, mask, soft_cap):
+def _attention(q, k, v, mask, soft_cap, core):
     """grouped_attention over all S keys.
 
     Each KV head's queries are one [T*G, D] matrix with rows (t, g) -- for multi-query
@@ -212,16 +215,23 @@ def _attention(q, k, v, mask, soft_cap):
     g = n // kv
     q = q.reshape(b, t, kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * g, d)
     k, v = (x.astype(q.dtype).transpose(0, 2, 1, 3) for x in (k, v))  # [B, K, S, D]
-    batch = ((0, 1), (0, 1))
-    logits = jax.lax.dot_general(q, k, (((3,), (3,)), batch)).astype(jnp.float32)  # [B, K, T*G, S]
-    if soft_cap is not None:
-        logits = jnp.tanh(logits / soft_cap) * soft_cap
     m = jnp.broadcast_to(mask[:, None, :, None, :], (b, 1, t, g, s)).reshape(b, 1, t * g, s)
-    # With at least one visible key every masked one gets exp(-1e9 - max) = 0 exactly, so only
+    out = core(q, k, v, m, soft_cap)  # [B, K, T*G, D]
+    out = out.reshape(b, kv, t, g, d).transpose(0, 2, 1, 3, 4)  # [B, T, K, G, D]
+    # With at least one visible key every masked one gets probability exactly 0, so only
     # queries that see no key need the wipe: applied to their output rows, which is cheaper
     # than a select over every probability.
-    probs = jax.nn.softmax(jnp.where(m, logits, -1e9), axis=-1).astype(q.dtype)
-    out = jax.lax.dot_general(probs, v, (((3,), (2,)), batch))  # [B, K, T*G, D]
-    out = out.reshape(b, kv, t, g, d).transpose(0, 2, 1, 3, 4)  # [B, T, K, G, D]
     sees_a_key = jnp.any(mask, axis=-1)[:, :, None, None, None]  # [B, T, 1, 1, 1]
     return jnp.where(sees_a_key, out, 0).reshape(b, t, n, d)
+
+
+def softmax_attention(q, k, v, m, soft_cap):
+    """q [B, K, R, D], k/v [B, K, S, D], m [B, 1, R, S] (True = attend) -> [B, K, R, D]:
+    softmax(q k^T) v per (B, K), the softmax in float32, a masked key's probability exactly
+    0 wherever a row sees any key (exp(-1e9 - max) = 0)."""
+    batch = ((0, 1), (0, 1))
+    logits = jax.lax.dot_general(q, k, (((3,), (3,)), batch)).astype(jnp.float32)  # [B, K, R, S]
+    if soft_cap is not None:
+        logits = jnp.tanh(logits / soft_cap) * soft_cap
+    probs = jax.nn.softmax(jnp.where(m, logits, -1e9), axis=-1).astype(q.dtype)
+    return jax.lax.dot_general(probs, v, (((3,), (2,)), batch))

@@ -334,3 +334,82 @@ def test_the_train_layout_is_for_narrow_small_bases_on_cpu_only():
     assert not train_layout.pays("cpu", jnp.bfloat16, most + 1)  # Gemma 2B: 5 GB more
     assert not train_layout.pays("tpu", jnp.bfloat16, 1)
     assert not train_layout.pays("gpu", jnp.bfloat16, 1)
+
+
+def _attention_inputs(dtype, b=2, t=12, n=4, kv=2, d=8):
+    keys = jax.random.split(jax.random.key(3), 4)
+    q, d_out = (jax.random.normal(k, (b, t, n, d)).astype(dtype) for k in (keys[0], keys[3]))
+    k, v = (jax.random.normal(key, (b, t, kv, d)).astype(dtype) for key in keys[1:3])
+    pos = jnp.arange(t)
+    mask = (pos[:, None] >= pos[None, :])[None] & (pos < jnp.array([t, 7])[:, None])[:, None, :]
+    return q * 0.5, k, v, mask, d_out
+
+
+@pytest.mark.parametrize("soft_cap", [None, 2.0])
+def test_the_cpu_attention_core_equals_the_plain_core(soft_cap):
+    """Values and gradients of q, k and v, in float32 (the kernel's math is dtype-free)."""
+    q, k, v, mask, d_out = _attention_inputs(jnp.float32)
+    results = []
+    for core in (kernels._cpu_softmax_attention, layers.softmax_attention):
+        f = lambda q, k, v, core=core: layers.grouped_attention(  # noqa: E731
+            q, k, v, mask, soft_cap, causal=True, block=4, core=core)
+        out, vjp = jax.vjp(f, q, k, v)
+        results.append((out, *vjp(d_out)))
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_attention_through_the_cpu_kernel_is_as_close_to_float32_as_the_plain_one():
+    wide = _attention_inputs(jnp.float32)
+    narrow = [x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x for x in wide]
+
+    def grads(inputs, core):
+        q, k, v, mask, d_out = inputs
+        out, vjp = jax.vjp(lambda q, k, v: layers.grouped_attention(
+            q, k, v, mask, causal=True, block=4, core=core), q, k, v)
+        return [np.float32(x) for x in (out, *vjp(d_out))]
+    exact = grads(wide, layers.softmax_attention)
+
+    def errors(got):
+        return [float(np.abs(g - e).max() / np.abs(e).max()) for g, e in zip(got, exact)]
+    ours, plain = errors(grads(narrow, kernels._cpu_softmax_attention)), errors(grads(narrow, layers.softmax_attention))
+    assert max(ours) < 0.03
+    assert sum(ours) <= 1.1 * sum(plain)
+
+
+def _dot_operand_types(hlo: str) -> list[str]:
+    """The element types of every dot's operands in compiled HLO text."""
+    types, found = {}, []
+    for line in hlo.splitlines():
+        if " = " not in line:
+            continue
+        name, rest = line.strip().removeprefix("ROOT ").split(" = ", 1)
+        types[name] = rest.split("[", 1)[0]
+        if " dot(" in rest:
+            found += [types[o.strip()] for o in rest.split(" dot(", 1)[1].split(")", 1)[0].split(",")]
+    return found
+
+
+def test_every_product_of_the_bfloat16_cpu_attention_multiplies_bfloat16():
+    """XLA:CPU multiplies a dot with a column-major operand in float32: compiled, every
+    product of the kernel's forward and backward takes bfloat16 operands (autodiff's do not)."""
+    q, k, v, mask, _ = _attention_inputs(jnp.bfloat16, t=64, d=16)  # two KV heads: q, k, v transposed
+
+    def types(core):
+        def f(q, k, v):  # a loss that needs the output's value: all six products
+            out = layers.grouped_attention(q, k, v, mask, causal=True, block=64, core=core)
+            return jnp.sum(jnp.square(out.astype(jnp.float32)))
+        return _dot_operand_types(jax.jit(jax.grad(f, (0, 1, 2))).lower(q, k, v).compile().as_text())
+    ours, plain = types(kernels._cpu_softmax_attention), types(layers.softmax_attention)
+    assert len(ours) == 12 and set(ours) == {"bf16"}
+    assert "f32" in plain
+
+
+@pytest.mark.parametrize("platform, dtype, cpu_kernel", [
+    ("cpu", "bfloat16", True), ("tpu", "bfloat16", False), ("cpu", "float32", False)])
+def test_the_attention_kernel_is_chosen_by_platform_and_dtype(platform, dtype, cpu_kernel):
+    model = Gemma(TINY.replace(dtype=dtype))
+    ids = jnp.zeros((2, 8), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), ids))["params"]
+    lowered = jax.jit(_loss_grad(model, ids)).trace(params).lower(lowering_platforms=(platform,))
+    assert ("cpu_kernel/cpu_attention" in lowered.as_text(debug_info=True)) == cpu_kernel

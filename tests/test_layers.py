@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import layers
+from models import kernels, layers
 
 
 @pytest.mark.parametrize("kv_heads, soft_cap, window", [(1, None, None), (2, 0.5, None), (1, None, 3)])
@@ -58,7 +58,7 @@ def test_cudnn_attention_config_is_checked():
 
 
 def test_cudnn_attention_is_wired_into_training_only(monkeypatch):
-    """On CPU, stand in for the cuDNN kernel with blocked causal attention: a Gemma with local
+    """On CPU, stand in for the cuDNN kernel with the CPU's causal attention: a Gemma with local
     layers gives the same training logits either way (so the window reaches the kernel), and
     decoding with a cache never calls it."""
     from models.gemma import PRESETS, Gemma, init_cache
@@ -71,7 +71,7 @@ def test_cudnn_attention_is_wired_into_training_only(monkeypatch):
         mask = pos[:, None] >= pos[None, :]
         if window:
             mask &= pos[:, None] - pos[None, :] < window
-        return layers.grouped_attention(q, k, v, mask[None], causal=True, window=window)
+        return kernels.causal_attention(q, k, v, mask[None], None, window)
 
     monkeypatch.setattr(layers, "fused_causal_attention", stand_in)
     cfg = PRESETS["gemma_tiny"].replace(dtype="bfloat16", num_layers=2, sliding_window_size=5)
