@@ -413,3 +413,18 @@ def test_the_attention_kernel_is_chosen_by_platform_and_dtype(platform, dtype, c
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), ids))["params"]
     lowered = jax.jit(_loss_grad(model, ids)).trace(params).lower(lowering_platforms=(platform,))
     assert ("cpu_kernel/cpu_attention" in lowered.as_text(debug_info=True)) == cpu_kernel
+
+
+@pytest.mark.parametrize("b", [1, 4])
+def test_bfloat16_decode_products_multiply_bfloat16_and_equal_the_einsum(b):
+    """A narrow rows @ x^T (the step layout's and the tied logits' product) equals x @ rows^T
+    to bfloat16 rounding, and compiled, its one dot takes bfloat16 operands, also for one row
+    (a matrix-vector dot would not)."""
+    rows, x = _narrow((96, 40), (b, 40))
+    got = jax.jit(kernels.matmul_rows)(rows, x)
+    want = np.float32(x) @ np.float32(rows).T
+    assert got.shape == (b, 96) and got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.float32(got), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    assert set(_dot_operand_types(jax.jit(kernels.matmul_rows).lower(rows, x).compile().as_text())) == {"bf16"}
+    wide = _dot_operand_types(jax.jit(lambda r, x: r @ x.T).lower(rows, x).compile().as_text())
+    assert "f32" in wide  # what the plain product compiles to
