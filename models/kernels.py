@@ -220,7 +220,8 @@ _cpu_gated_ffn.defvjp(_cpu_gated_ffn_fwd, _cpu_gated_ffn_bwd, symbolic_zeros=Tru
 
 # Query rows per block for `_cpu_softmax_attention` (layers.QUERY_BLOCK elsewhere): its
 # per-block products are fast enough that fewer, larger blocks pay (at 2 x 512 tokens, the real
-# 270M's attention forward + backward: 64 rows 348 ms, 128 237, 256 192, one block 220).
+# 270M's attention forward + backward: 64 rows 348 ms, 128 237, 256 192, one block 220;
+# measured ad hoc, bench/README.md).
 CPU_QUERY_BLOCK = 256
 
 
