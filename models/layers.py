@@ -158,8 +158,9 @@ def grouped_attention(q, k, v, mask, soft_cap: float | None = None, *, causal: b
     T 512 (8 blocks) 60% less.
     window: with causal, the caller also promises that query t sees no key s <= t - window (a
     sliding-window layer); each block then starts at its first row's earliest visible key.
-    block: the query rows per block (QUERY_BLOCK unless given; at least T / 16). core: `softmax_attention`'s
-    replacement, the same math over the same arguments (models/kernels.py's CPU kernel).
+    block: the query rows per block (QUERY_BLOCK unless given; at least T / 16).
+    core: `softmax_attention` or a replacement computing the same math over the same
+    arguments (models/kernels.py's CPU kernel).
     """
     t = q.shape[1]
     block = max(block or QUERY_BLOCK, -(-t // 16))
