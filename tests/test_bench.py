@@ -50,8 +50,9 @@ def test_train_step_bench_compares_both_modes_with_kerashub():
     assert_names_its_host(out)
     for mode in ("lora", "full"):
         fields = lines[f"train_{mode}"]
+        # The ratio is printed to two decimals: a small ratio is off by up to 0.005.
         assert positive(fields["ratio"]) == pytest.approx(
-            positive(fields["jaxlm"]) / positive(fields["keras"]), rel=0.01)
+            positive(fields["jaxlm"]) / positive(fields["keras"]), rel=0.01, abs=0.006)
     assert {"jaxlm", "lora", "keras_full", "peak_gflops"} <= set(lines["train_mfu_cpu"])
 
 
@@ -135,7 +136,7 @@ def test_real_model_bench_runs_all_three_frameworks_on_a_tiny_gemma3():
     for name in ("real_train_lora_t32", "real_decode_b2"):
         fields = lines[name]
         assert positive(fields["vs_hf"]) == pytest.approx(
-            positive(fields["jaxlm"]) / positive(fields["hf"]), rel=0.02)
+            positive(fields["jaxlm"]) / positive(fields["hf"]), rel=0.02, abs=0.006)
         positive(fields["keras"]), positive(fields["vs_keras"])
     positive(lines["real_train_lora_t32"]["mfu"])
 
