@@ -163,7 +163,7 @@ class Attention(nn.Module):
             if cache is None:
                 out = kernels.causal_attention(q, key, value, mask, cfg.attention_logit_soft_cap, window)
             else:
-                out = layers.grouped_attention(q, key, value, mask, cfg.attention_logit_soft_cap)
+                out = kernels.cached_attention(q, key, value, mask, cfg.attention_logit_soft_cap)
             out = layers.constrain(out, rows)
         out_proj = layers.Einsum((n, d, h), dtype, name="attention_output")
         out = out_proj("BTND,NDH->BTH", out)

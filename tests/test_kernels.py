@@ -415,6 +415,54 @@ def test_the_attention_kernel_is_chosen_by_platform_and_dtype(platform, dtype, c
     assert ("cpu_kernel/cpu_attention" in lowered.as_text(debug_info=True)) == cpu_kernel
 
 
+def _cache_inputs(dtype, t, kv, b=2, s=16, n=4, d=8):
+    """Queries [B, T, N, D] over a cache [B, S, K, D] whose row 1 holds 9 slots so far."""
+    keys = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(keys[0], (b, t, n, d)) * 0.5
+    k, v = (jax.random.normal(key, (b, s, kv, d)) for key in keys[1:])
+    mask = jnp.broadcast_to(jnp.arange(s) < jnp.array([s, 9])[:, None], (t, b, s)).transpose(1, 0, 2)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), mask
+
+
+@pytest.mark.parametrize("t, kv, soft_cap", [(1, 1, None), (1, 2, 2.0), (1, 4, None), (3, 1, 2.0), (3, 4, None)])
+def test_the_cpu_cache_core_equals_the_plain_core(t, kv, soft_cap):
+    """Decode steps (T = 1) and prefills, one and several KV heads, one query row per head
+    (T = 1, G = 1) and several, in float32 (the kernel's math is dtype-free): the same
+    attention over the cache."""
+    q, k, v, mask = _cache_inputs(jnp.float32, t, kv)
+    got, want = (layers.grouped_attention(q, k, v, mask, soft_cap, core=core)
+                 for core in (kernels._cpu_cache_core, layers.softmax_attention))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t, kv", [(1, 1), (4, 1), (1, 4)])
+def test_bfloat16_cache_attention_multiplies_the_cache_as_it_lies(t, kv):
+    """Compiled for CPU, both products take bfloat16 operands (the plain core widens the
+    cache to float32), also with one query row per KV head (a matrix-vector product would
+    not), and the result is as close to float32 as the plain core's."""
+    q, k, v, mask = _cache_inputs(jnp.bfloat16, t, kv)
+    attend = lambda q, k, v: kernels.cached_attention(q, k, v, mask, None)  # noqa: E731
+    plain = lambda q, k, v: layers.grouped_attention(q, k, v, mask)  # noqa: E731
+    ours = _dot_operand_types(jax.jit(attend).lower(q, k, v).compile().as_text())
+    assert len(ours) == 4 and set(ours) == {"bf16"}
+    assert "f32" in _dot_operand_types(jax.jit(plain).lower(q, k, v).compile().as_text())
+    exact = np.float32(plain(*(np.float32(x) for x in (q, k, v))))
+    error = lambda f: float(np.abs(np.float32(f(q, k, v)) - exact).max())  # noqa: E731
+    assert error(attend) <= 1.5 * error(plain) + 1e-3
+
+
+@pytest.mark.parametrize("platform, dtype, cpu_kernel", [
+    ("cpu", "bfloat16", True), ("tpu", "bfloat16", False), ("cpu", "float32", False)])
+def test_the_cache_attention_kernel_is_chosen_by_platform_and_dtype(platform, dtype, cpu_kernel):
+    model = Gemma(TINY.replace(dtype=dtype))
+    ids = jnp.zeros((2, 1), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), ids))["params"]
+    step = lambda p, c: model.apply({"params": p}, ids, cache=c, cache_index=3)  # noqa: E731
+    lowered = jax.jit(step).trace(params, init_cache(TINY.replace(dtype=dtype), 2, 8)).lower(
+        lowering_platforms=(platform,))
+    assert ("cpu_kernel/cpu_cache_attention" in lowered.as_text(debug_info=True)) == cpu_kernel
+
+
 @pytest.mark.parametrize("b", [1, 4])
 def test_bfloat16_decode_products_multiply_bfloat16_and_equal_the_einsum(b):
     """A narrow rows @ x^T (the step layout's and the tied logits' product) equals x @ rows^T
