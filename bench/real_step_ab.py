@@ -160,17 +160,17 @@ def plain_attention():
 
 def layout_runs(model, params, batches: str, new_tokens: int) -> dict:
     """{b<B>_on|off: greedy decode of B random 32-token prompts} with and without the CPU step
-    layout, whatever `models.kernels.STEP_LAYOUT_MAX_ROWS` says; a switch recompiles, and the
+    layout, whatever `models.decode_kernels.STEP_LAYOUT_MAX_ROWS` says; a switch recompiles, and the
     turn's first call (dropped) takes it."""
     from jaxlm import decode
-    from models import kernels
+    from models import decode_kernels
     ids = np.random.RandomState(1).randint(3, model.config.vocab_size, (64, 32)).astype(np.int32)
     current = [None]
 
     def variant(rows_cap, b):
         def run():
             if current[0] != (rows_cap, b):
-                kernels.STEP_LAYOUT_MAX_ROWS, current[0] = rows_cap, (rows_cap, b)
+                decode_kernels.STEP_LAYOUT_MAX_ROWS, current[0] = rows_cap, (rows_cap, b)
                 decode.clear_cache()
             decode.generate_ids(model, params, ids[:b], np.full(b, 32, np.int32), 32 + new_tokens)
         return run

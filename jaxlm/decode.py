@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxlm import sampling
 from jaxlm.errors import UserError
 from jaxlm.tree import place
-from models import kernels
+from models import decode_kernels
 
 Stream = Callable[[int, np.ndarray], None]
 TRACES = 0  # incremented each time a decode function is traced, i.e. compiled
@@ -186,7 +186,7 @@ def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming
     kv_spec = None
     platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
     block_bytes = (cfg.num_params - cfg.vocab_size * cfg.hidden_dim) * jnp.dtype(cfg.dtype).itemsize
-    step_layout = kernels.step_layout_pays(platform, block_bytes, batch)
+    step_layout = decode_kernels.step_layout_pays(platform, block_bytes, batch)
     if mesh is not None:
         heads = "model" if cfg.num_kv_heads % mesh.shape["model"] == 0 else None
         kv_spec = NamedSharding(mesh, P("batch", None, heads, None))
@@ -202,7 +202,7 @@ def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming
         """prompt [Bb, Pb], lengths [Bb], seed [] or [Bb] -> (ids [Bb, Tb], mask [Bb, Tb])."""
         global TRACES
         TRACES += 1
-        with kernels.decode_steps(platform):  # this platform's decode kernels, traced in
+        with decode_kernels.decode_steps(platform):  # this platform's decode kernels, traced in
             return decode(params, prompt, lengths, max_length, seed, stops)
 
     def decode(params, prompt, lengths, max_length, seed, stops):

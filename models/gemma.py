@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from models import kernels, layers
+from models import decode_kernels, kernels, layers
 
 Cache = dict  # {"decoder_block_{i}": {"k": [B, S, K, D], "v": [B, S, K, D]}}
 
@@ -163,7 +163,7 @@ class Attention(nn.Module):
             if cache is None:
                 out = kernels.causal_attention(q, key, value, mask, cfg.attention_logit_soft_cap, window)
             else:
-                out = kernels.cached_attention(q, key, value, mask, cfg.attention_logit_soft_cap)
+                out = decode_kernels.cached_attention(q, key, value, mask, cfg.attention_logit_soft_cap)
             out = layers.constrain(out, rows)
         out_proj = layers.Einsum((n, d, h), dtype, name="attention_output")
         out = out_proj("BTND,NDH->BTH", out)

@@ -6,39 +6,30 @@ bench measurement that justifies it, and each is checked against the plain math 
 tests/test_kernels.py. On TPU and GPU the plain math runs.
 
 How the platform is chosen:
-  * Training (`gated_ffn`, `causal_attention`, and the loss's `tied_logits`) goes through
-    `by_platform`, i.e.
+  * Training (`gated_ffn`, `causal_attention`, and the loss's `tied_logits`) and the decoder's
+    attention over its KV cache (models/decode_kernels.py) go through `by_platform`, i.e.
     `jax.lax.platform_dependent`: both versions are traced and the one for the platform the
     program is *lowered* for is kept, so a step compiled on a CPU host for a TPU slice
     (`jaxlm.train.aot`) gets the plain math.
-  * Decoding (`decode_steps`) needs some kernels in another layout, built once before the
-    decode loop: state the decoder owns. `jaxlm.decode` knows the devices it compiles for and
-    traces its model calls inside `decode_steps(platform)`, which on CPU swaps the decode
-    step's products for the kernels below (a Flax method interceptor: the layers keep their
-    plain `__call__`) and elsewhere changes nothing.
+  * Decoding swaps some products inside a context the decoder enters for its platform
+    (`decode_kernels.decode_steps`), some of them in a layout built once before the decode
+    loop: state the decoder owns.
   * A bfloat16 LoRA step on CPU multiplies its frozen weights through the train layout
     (models/train_layout.py): a second copy of them, in the one form XLA:CPU multiplies
     bfloat16 fast, that the trainer builds when it trains on CPU (state, as the decoder's).
+
+XLA:CPU's fast bfloat16 form, which several kernels here and in decode_kernels.py need:
+`batched_product` of row-major operands (`row_major`, `transposed`) with a float32 result.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 
 from models import layers, train_layout
-
-# The step layout (below) holds a second, transposed copy of the block kernels while a
-# generate call runs; models whose block kernels exceed this decode with their stored layout.
-STEP_LAYOUT_MAX_BYTES = 2 << 30
-# ... and only batches this small use it, where a step streams the weights: Gemma 3 270M with
-# vs without, float32, 48 new tokens: batch 8 11.4% faster, 16 7.1%, 40 (the demo's evaluation)
-# 1.3% slower and its 400 MB held for nothing (`BENCH real_ab_layout`, bench/README.md).
-STEP_LAYOUT_MAX_ROWS = 16
 
 
 def by_platform(*args, cpu, plain):
@@ -116,7 +107,7 @@ def gated_ffn(x, gate: layers.Einsum, up: layers.Einsum, down: layers.Einsum):
     """Gemma's FFN, down(geglu(gate(x), up(x))): x [B, T, H] -> [B, T, H].
 
     gate, up: Einsum layers with [H, F] kernels, down: [F, H]. A decode step (T = 1) goes
-    through the layers themselves, so `decode_steps` can replace each product; longer inputs
+    through the layers themselves, so `decode_kernels.decode_steps` can replace each product; longer inputs
     run `layers.gated_ffn` on the flat tokens, on CPU with `_cpu_gated_ffn`'s backward.
     """
     b, t, h = x.shape
@@ -246,8 +237,8 @@ def _cpu_softmax_attention(q, k, v, m, soft_cap):
     Autodiff's backward multiplies by the transposes of v, the probabilities and their
     gradient, and the forward by k's; XLA's layout assignment makes each transpose a
     column-major operand, which XLA:CPU multiplies in float32 at a quarter of the speed. Here
-    each is written out row-major (`_transposed`, and with more than one KV head also q, k, v
-    and the output gradient: `_row_major`), and every product returns float32. The
+    each is written out row-major (`transposed`, and with more than one KV head also q, k, v
+    and the output gradient: `row_major`), and every product returns float32. The
     real Gemma 3 270M's bfloat16 LoRA step (train layout on): 2924 -> 2547 ms at 2 x 512
     tokens, 2449 -> 2387 ms at 8 x 128 (`python bench/real_step_ab.py --what=attention`'s
     `BENCH real_ab_attention` line, bench/README.md). The softmax and its backward stay float32.
@@ -256,172 +247,48 @@ def _cpu_softmax_attention(q, k, v, m, soft_cap):
 
 
 def _attention_forward(q, k, v, m, soft_cap):
-    q, k, v = _row_major(q), _row_major(k), _row_major(v)  # with K > 1 they come transposed
-    logits = _batched_product(q, _transposed(k))  # [B, K, R, S]
+    q, k, v = row_major(q), row_major(k), row_major(v)  # with K > 1 they come transposed
+    logits = batched_product(q, transposed(k))  # [B, K, R, S]
     capped = None
     if soft_cap is not None:
         capped = jnp.tanh(logits / soft_cap)
         logits = capped * soft_cap
     probs = jax.nn.softmax(jnp.where(m, logits, -1e9), axis=-1)
-    out = _batched_product(probs.astype(q.dtype), v).astype(q.dtype)
+    out = batched_product(probs.astype(q.dtype), v).astype(q.dtype)
     return out, (q, k, v, probs, capped)
 
 
 def _attention_backward(soft_cap, residuals, d_out):
     q, k, v, probs, capped = residuals
-    d_out = _row_major(d_out.astype(q.dtype))
-    d_v = _batched_product(_transposed(probs.astype(q.dtype)), d_out)
-    d_probs = _batched_product(d_out, _transposed(v))
+    d_out = row_major(d_out.astype(q.dtype))
+    d_v = batched_product(transposed(probs.astype(q.dtype)), d_out)
+    d_probs = batched_product(d_out, transposed(v))
     d_logits = probs * (d_probs - jnp.sum(probs * d_probs, axis=-1, keepdims=True))
     if capped is not None:
         d_logits = d_logits * (1 - capped * capped)
     d_logits = d_logits.astype(q.dtype)
-    d_q = _batched_product(d_logits, k)
-    d_k = _batched_product(_transposed(d_logits), q)
+    d_q = batched_product(d_logits, k)
+    d_k = batched_product(transposed(d_logits), q)
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
 
 
 _cpu_softmax_attention.defvjp(_attention_forward, _attention_backward)
 
 
-def cached_attention(q, k, v, mask, soft_cap: float | None):
-    """Decoding attention over the whole KV cache (prefill and every step),
-    `layers.grouped_attention` without `causal`: q [B, T, N, D], k/v [B, S, K, D], mask
-    [B, T, S] -> [B, T, N, D]. In a bfloat16 program for CPU its core is `_cpu_cache_core`."""
-    plain = functools.partial(layers.grouped_attention, soft_cap=soft_cap)
-    if jnp.dtype(q.dtype) == jnp.float32:
-        return plain(q, k, v, mask)
-
-    def cpu_cache_attention(q, k, v, mask):
-        return plain(q, k, v, mask, core=_cpu_cache_core)
-    return by_platform(q, k, v, mask, cpu=cpu_cache_attention, plain=plain)
-
-
-def _cpu_cache_core(q, k, v, m, soft_cap):
-    """`layers.softmax_attention` (forward) with the cache multiplied as it lies: logits^T =
-    k @ q^T [B, K, S, R] and out = probs @ v, so only q and the probabilities, R rows each,
-    are written transposed, and both products take bfloat16 operands and return float32
-    (XLA:CPU's fast form, see `_cpu_softmax_attention`). The plain core's q @ k^T widens the
-    whole cache to float32 in every layer of every step: on the real Gemma 3 270M at batch 4
-    that conversion and the float32 products took ~210 us of a ~1 ms layer step."""
-    if q.shape[2] == 1:  # one query row would make both products matrix-vector: not the form
-        twice = lambda x: jnp.concatenate([x, x], axis=2)  # noqa: E731
-        return _cpu_cache_core(twice(q), k, v, twice(m), soft_cap)[:, :, :1]
-    if k.shape[1] > 1:  # [B, S, K, D] read as [B, K, S, D] is then a transpose: write it out
-        k, v = _row_major(k), _row_major(v)
-    logits = _batched_product(k, _transposed(q))  # [B, K, S, R]
-    if soft_cap is not None:
-        logits = jnp.tanh(logits / soft_cap) * soft_cap
-    probs = jax.nn.softmax(jnp.where(jnp.swapaxes(m, -1, -2), logits, -1e9), axis=-2)
-    return _batched_product(_transposed(probs.astype(q.dtype)), v).astype(q.dtype)
-
-
-def _batched_product(a, b):
+def batched_product(a, b):
     """a [B, K, N, C] @ b [B, K, C, M] -> float32 [B, K, N, M]."""
     return jax.lax.dot_general(a, b, (((3,), (2,)), ((0, 1), (0, 1))),
                                preferred_element_type=jnp.float32)
 
 
-def _transposed(x):
-    """x [..., M, N] -> [..., N, M], written out row-major (`_row_major`)."""
-    return _row_major(jnp.swapaxes(x, -1, -2))
+def transposed(x):
+    """x [..., M, N] -> [..., N, M], written out row-major (`row_major`)."""
+    return row_major(jnp.swapaxes(x, -1, -2))
 
 
-def _row_major(x):
+def row_major(x):
     """x, held in memory row-major. XLA is free to give a transposed array a transposed
     layout rather than move its elements, and XLA:CPU multiplies an operand in any layout but
     row-major in float32; a reshape to one row per leading index behind a barrier leaves it
     only the row-major layout."""
     return jax.lax.optimization_barrier(x.reshape(*x.shape[:-2], -1)).reshape(x.shape)
-
-
-# --- Decoding: one token per step ------------------------------------------------------------
-
-def decode_steps(platform: str):
-    """Context in which the decoder traces its model calls for `platform`'s devices.
-
-    On CPU, every single-token product runs through a decode kernel:
-      * with the `step_layout` collection mutable (to build it) or passed in, each Einsum
-        multiplies its kernel's step layout, the same weights as an [out, in] row-major
-        matrix, as rows @ x^T: XLA:CPU streams that ~15% faster than x @ [in, out], and a
-        decode step of a small model is bound by that stream. Transposing costs a full read
-        and write of the kernel, so the decoder builds the layout once per call (one step
-        with the collection mutable) and passes it to every step (see `step_layout_pays`);
-      * without it, the query/key/value projections are dots batched over heads, which read
-        the [N, H, D] kernels in place instead of re-transposing them to [H, N*D] on every
-        step of the loop (~6-9% of a decode step);
-      * the tied embedding's logits are rows @ x^T as well (the table is already [V, H]),
-        ~1.5x faster than [B, H] @ [H, V] at batch 4.
-    Together with a vectorised argmax and one dot for the attention output these took the
-    bench config's decode step from 12.9 to ~8.4 ms: `python bench/generate.py`'s `BENCH
-    decode_step_vs_weight_read` line (`jaxlm=` ms per step) and `BENCH generate_b4` (new
-    tokens/s), 2026-11-30, bench/README.md. Elsewhere the layers run as written.
-    """
-    if platform != "cpu":
-        return contextlib.nullcontext()
-    return nn.intercept_methods(_cpu_decode_step)
-
-
-def step_layout_pays(platform: str, block_bytes: int, rows: int) -> bool:
-    """Whether the decoder should build the step layout for a batch of `rows`: on CPU, for
-    block kernels of at most STEP_LAYOUT_MAX_BYTES (the copy is held while generating) and at
-    most STEP_LAYOUT_MAX_ROWS rows (a larger batch is not bound by the weight stream)."""
-    return (platform == "cpu" and block_bytes <= STEP_LAYOUT_MAX_BYTES
-            and rows <= STEP_LAYOUT_MAX_ROWS)
-
-
-_PER_HEAD = "BTH,NHD->BTND"  # the query/key/value projections
-
-
-def _cpu_decode_step(next_fun, args, kwargs, context):
-    """Flax method interceptor: single-token Einsum products and tied logits -> CPU kernels."""
-    module = context.module
-    if isinstance(module, layers.Einsum) and context.method_name == "__call__":
-        bound = {**dict(zip(("eq", "x"), args)), **kwargs}
-        eq, x = bound.get("eq"), bound.get("x")
-        if x is not None and x.shape[1] == 1 and not module.is_initializing():
-            if module.is_mutable_collection("step_layout") or module.has_variable("step_layout", "kernel"):
-                return _step_product(module, next_fun(None), eq, x)
-            if eq == _PER_HEAD:
-                return _per_head(next_fun(None), x)
-    if isinstance(module, layers.Embedding) and context.method_name == "attend":
-        x = args[0] if args else kwargs["x"]
-        if x.shape[1] == 1:
-            return matmul_rows(module.embeddings.astype(module.dtype), x[:, 0].astype(module.dtype))[:, None]
-    return next_fun(*args, **kwargs)
-
-
-def _step_product(module: layers.Einsum, kernel, eq: str, x):
-    """x [B, 1, *in] -> [B, 1, *out] through the kernel's [out, in] rows (see decode_steps)."""
-    in_axes, out_axes = train_layout.axes(eq)
-    out_shape = [module.shape[i] for i in out_axes]
-    rows = module.variable("step_layout", "kernel",
-                           lambda: train_layout.matrix(kernel, out_axes, in_axes)).value
-    b = x.shape[0]
-    y = matmul_rows(rows, x.reshape(b, -1).astype(module.dtype))
-    return y.reshape(b, 1, *out_shape)
-
-
-def _per_head(kernel, x):
-    """x [B, 1, H], kernel [N, H, D] -> [B, 1, N, D] as a dot batched over the heads."""
-    b, _, h = x.shape
-    xb = jnp.broadcast_to(x[:, 0][None].astype(kernel.dtype), (kernel.shape[0], b, h))
-    y = jnp.einsum("NBH,NHD->NBD", xb, kernel, preferred_element_type=jnp.float32)  # as matmul_rows
-    return jnp.transpose(y.astype(kernel.dtype), (1, 0, 2))[:, None]
-
-
-def matmul_rows(rows, x):
-    """rows [O, I], x [B, I] -> x @ rows^T [B, O], computed as rows @ x^T. The barrier stops
-    XLA from folding the output transpose back into the dot (which would undo the layout).
-
-    Narrow rows need x^T written out row-major and a float32 result, XLA:CPU's one fast
-    bfloat16 form (see `_cpu_softmax_attention`), and at least two columns (one row is
-    multiplied twice: a matrix-vector product is not that form). The real Gemma 3 270M's
-    bfloat16 tied table took 170 ms at batch 4 and 150 ms at batch 1 that way round, 13 and 12
-    ms this way (float32: 36 and 22 ms)."""
-    if jnp.dtype(rows.dtype) == jnp.float32:
-        return jax.lax.optimization_barrier(rows @ x.T).T
-    b = x.shape[0]
-    cols = jnp.concatenate([x, x]) if b == 1 else x
-    y = jnp.dot(rows, _row_major(cols.T), preferred_element_type=jnp.float32)
-    return jax.lax.optimization_barrier(y).T[:b].astype(x.dtype)

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fast_form import dot_operand_types, narrow
 from models import kernels, layers, train_layout
-from models.gemma import PRESETS, Gemma, init_cache
+from models.gemma import PRESETS, Gemma
 
 TINY = PRESETS["gemma_tiny"].replace(vocab_size=256, num_layers=1)
 
@@ -39,15 +40,10 @@ def test_frozen_ffn_kernels_get_no_gradient_work():
                                jax.grad(loss(layers.gated_ffn))(x, *ws), rtol=1e-5, atol=1e-5)
 
 
-def _narrow(*shapes, seed=0):
-    keys = jax.random.split(jax.random.key(seed), len(shapes))
-    return [(jax.random.normal(k, s) * 0.5).astype(jnp.bfloat16) for k, s in zip(keys, shapes)]
-
-
 def test_narrow_ffn_kernels_go_a_slice_at_a_time_with_the_same_values_and_gradients(monkeypatch):
     """bfloat16 kernels split in F (4 slices here) give the whole-kernel products' values and
     gradients, for the input alone (LoRA) and for input and kernels (full fine-tune)."""
-    x, w_gate, w_up, w_down, d_out = _narrow((24, 16), (16, 64), (16, 64), (64, 16), (24, 16))
+    x, w_gate, w_up, w_down, d_out = narrow((24, 16), (16, 64), (16, 64), (64, 16), (24, 16))
     monkeypatch.setattr(kernels, "SLICE_BYTES", 4 * 16 * 16)
     assert kernels.slices(16, 64, jnp.bfloat16) == 4 and kernels.slices(16, 64, jnp.float32) == 1
     ws = (w_gate, w_up, w_down)
@@ -66,7 +62,7 @@ def test_narrow_ffn_kernels_go_a_slice_at_a_time_with_the_same_values_and_gradie
 
 
 def test_a_narrow_tied_table_goes_a_slice_of_the_vocabulary_at_a_time(monkeypatch):
-    h, emb = _narrow((6, 16), (40, 16))
+    h, emb = narrow((6, 16), (40, 16))
     monkeypatch.setattr(kernels, "SLICE_BYTES", 4 * 16 * 10)
     assert kernels.slices(16, 40, jnp.bfloat16) == 4
     ours = kernels._cpu_tied_logits(h, emb)
@@ -83,7 +79,7 @@ def test_no_widened_copy_of_a_narrow_weight_outlives_its_slice(monkeypatch):
     """What the slicing is for: XLA:CPU's compiled LoRA-style FFN gradient and tied logits of
     bfloat16 weights hold no float32 copy of a whole weight (each 4 MiB here), only slices."""
     h, f, v = 256, 4096, 4096
-    x, w_gate, w_up, w_down, emb = _narrow((64, h), (h, f), (h, f), (f, h), (v, h))
+    x, w_gate, w_up, w_down, emb = narrow((64, h), (h, f), (h, f), (f, h), (v, h))
     whole = 4 * h * f
     monkeypatch.setattr(kernels, "SLICE_BYTES", whole // 8)
     ffn_grad = jax.grad(lambda x, *ws: kernels._cpu_gated_ffn(x, *ws).astype(jnp.float32).sum())
@@ -123,7 +119,7 @@ def test_a_bfloat16_lora_step_is_the_same_sliced_or_whole(monkeypatch):
 
 @pytest.mark.parametrize("platform, cpu_kernel", [("cpu", True), ("tpu", False)])
 def test_the_tied_logits_kernel_is_chosen_by_the_platform_lowered_for(platform, cpu_kernel):
-    h, emb = _narrow((4, 16), (40, 16))
+    h, emb = narrow((4, 16), (40, 16))
     lowered = jax.jit(kernels.tied_logits).trace(h, emb).lower(lowering_platforms=(platform,))
     assert ("cpu_kernel/_cpu_tied_logits" in lowered.as_text(debug_info=True)) == cpu_kernel
 
@@ -143,81 +139,6 @@ def test_the_ffn_kernel_is_chosen_by_the_platform_lowered_for(platform, cpu_kern
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), ids))["params"]
     lowered = jax.jit(_loss_grad(model, ids)).trace(params).lower(lowering_platforms=(platform,))
     assert ("cpu_kernel/_cpu_gated_ffn" in lowered.as_text(debug_info=True)) == cpu_kernel
-
-
-@pytest.mark.parametrize("eq, kernel, x", [
-    ("BTH,NHD->BTND", (4, 8, 3), (2, 1, 8)),      # query/key/value
-    ("BTND,NDH->BTH", (4, 3, 8), (2, 1, 4, 3)),   # attention output
-    ("BTH,HF->BTF", (8, 12), (2, 1, 8)),          # FFN
-])
-def test_step_layout_equals_the_einsum(eq, kernel, x):
-    layer = layers.Einsum(kernel)
-    params = layer.init(jax.random.key(0), eq, jnp.zeros(x, jnp.float32))
-    x = jax.random.normal(jax.random.key(1), x)
-    plain = layer.apply(params, eq, x)
-    with kernels.decode_steps("cpu"):
-        y, built = layer.apply(params, eq, x, mutable=["step_layout"])
-        rows = built["step_layout"]["kernel"]
-        assert rows.shape == (plain[0, 0].size, x[0, 0].size)  # [out, in]
-        np.testing.assert_allclose(y, plain, rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(layer.apply({**params, **built}, eq, x), plain, rtol=1e-6, atol=1e-6)
-        # the layout only ever applies to single-token steps
-        longer = jnp.concatenate([x, x], axis=1)
-        np.testing.assert_allclose(layer.apply({**params, **built}, eq, longer),
-                                   layer.apply(params, eq, longer), rtol=1e-6)
-
-
-def test_per_head_projection_and_tied_logits_equal_the_einsums():
-    """Without a step layout, a one-token query/key/value projection is a dot batched over
-    heads and the tied logits are rows @ x^T behind a barrier; outside decode_steps("cpu")
-    (or for another platform) neither appears."""
-    x = jax.random.normal(jax.random.key(1), (3, 1, 8))
-    proj = layers.Einsum((4, 8, 5))
-    p = proj.init(jax.random.key(0), "BTH,NHD->BTND", x)
-    emb = layers.Embedding(11, 8)
-    e = emb.init(jax.random.key(2), jnp.zeros((1, 1), jnp.int32))
-
-    def run(*_):  # traced afresh for each platform (jax caches a trace per function)
-        return proj.apply(p, "BTH,NHD->BTND", x), emb.apply(e, x, method="attend")
-    plain = run()
-    for platform, replaced in (("cpu", True), ("tpu", False)):
-        with kernels.decode_steps(platform):
-            for a, b in zip(run(), plain):
-                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-            jaxpr = str(jax.make_jaxpr(lambda: run())())
-        assert ("[4,3,8]" in jaxpr and "optimization_barrier" in jaxpr) == replaced, jaxpr
-
-
-def test_a_gemma_decode_step_equals_the_plain_step_with_or_without_the_layout():
-    cfg = TINY.replace(num_layers=2)
-    model = Gemma(cfg)
-    prompt = jax.random.randint(jax.random.key(1), (2, 5), 0, cfg.vocab_size)
-    params = model.init(jax.random.key(0), prompt)["params"]
-    cache = model.apply({"params": params}, prompt, cache=init_cache(cfg, 2, 8), cache_index=0)[1]
-    step = lambda v, **kw: model.apply(v, prompt[:, -1:], cache=cache, cache_index=5, **kw)  # noqa: E731
-    plain, _ = step({"params": params})
-    with kernels.decode_steps("cpu"):
-        per_head, _ = step({"params": params})
-        (_, _), layout = step({"params": params}, mutable=["step_layout"])
-        assert len(jax.tree.leaves(layout)) == 2 * 7  # q, k, v, out, 3 FFN kernels per block
-        with_layout, _ = step({"params": params, **layout})
-    for out in (per_head, with_layout):
-        np.testing.assert_allclose(out, plain, rtol=1e-5, atol=1e-5)
-
-
-def test_init_on_a_single_token_builds_no_step_layout():
-    """init makes every collection mutable; jaxlm.load initialises on [1, 1] ids."""
-    with kernels.decode_steps("cpu"):
-        variables = Gemma(TINY).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
-    assert set(variables) == {"params"}
-
-
-def test_the_step_layout_is_built_for_small_models_and_batches_on_cpu_only():
-    most, rows = kernels.STEP_LAYOUT_MAX_BYTES, kernels.STEP_LAYOUT_MAX_ROWS
-    assert kernels.step_layout_pays("cpu", most, rows) and kernels.step_layout_pays("cpu", 1, 4)
-    assert not kernels.step_layout_pays("cpu", most + 1, 4)
-    assert not kernels.step_layout_pays("cpu", 1, rows + 1)  # the demo's 40-prompt evaluation
-    assert not kernels.step_layout_pays("tpu", 1, 4) and not kernels.step_layout_pays("gpu", 1, 4)
 
 
 # --- The CPU train layout ----------------------------------------------------------------------
@@ -377,19 +298,6 @@ def test_bfloat16_attention_through_the_cpu_kernel_is_as_close_to_float32_as_the
     assert sum(ours) <= 1.1 * sum(plain)
 
 
-def _dot_operand_types(hlo: str) -> list[str]:
-    """The element types of every dot's operands in compiled HLO text."""
-    types, found = {}, []
-    for line in hlo.splitlines():
-        if " = " not in line:
-            continue
-        name, rest = line.strip().removeprefix("ROOT ").split(" = ", 1)
-        types[name] = rest.split("[", 1)[0]
-        if " dot(" in rest:
-            found += [types[o.strip()] for o in rest.split(" dot(", 1)[1].split(")", 1)[0].split(",")]
-    return found
-
-
 def test_every_product_of_the_bfloat16_cpu_attention_multiplies_bfloat16():
     """XLA:CPU multiplies a dot with a column-major operand in float32: compiled, every
     product of the kernel's forward and backward takes bfloat16 operands (autodiff's do not)."""
@@ -399,7 +307,7 @@ def test_every_product_of_the_bfloat16_cpu_attention_multiplies_bfloat16():
         def f(q, k, v):  # a loss that needs the output's value: all six products
             out = layers.grouped_attention(q, k, v, mask, causal=True, block=64, core=core)
             return jnp.sum(jnp.square(out.astype(jnp.float32)))
-        return _dot_operand_types(jax.jit(jax.grad(f, (0, 1, 2))).lower(q, k, v).compile().as_text())
+        return dot_operand_types(jax.jit(jax.grad(f, (0, 1, 2))).lower(q, k, v).compile().as_text())
     ours, plain = types(kernels._cpu_softmax_attention), types(layers.softmax_attention)
     assert len(ours) == 12 and set(ours) == {"bf16"}
     assert "f32" in plain
@@ -413,66 +321,3 @@ def test_the_attention_kernel_is_chosen_by_platform_and_dtype(platform, dtype, c
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), ids))["params"]
     lowered = jax.jit(_loss_grad(model, ids)).trace(params).lower(lowering_platforms=(platform,))
     assert ("cpu_kernel/cpu_attention" in lowered.as_text(debug_info=True)) == cpu_kernel
-
-
-def _cache_inputs(dtype, t, kv, b=2, s=16, n=4, d=8):
-    """Queries [B, T, N, D] over a cache [B, S, K, D] whose row 1 holds 9 slots so far."""
-    keys = jax.random.split(jax.random.key(5), 3)
-    q = jax.random.normal(keys[0], (b, t, n, d)) * 0.5
-    k, v = (jax.random.normal(key, (b, s, kv, d)) for key in keys[1:])
-    mask = jnp.broadcast_to(jnp.arange(s) < jnp.array([s, 9])[:, None], (t, b, s)).transpose(1, 0, 2)
-    return q.astype(dtype), k.astype(dtype), v.astype(dtype), mask
-
-
-@pytest.mark.parametrize("t, kv, soft_cap", [(1, 1, None), (1, 2, 2.0), (1, 4, None), (3, 1, 2.0), (3, 4, None)])
-def test_the_cpu_cache_core_equals_the_plain_core(t, kv, soft_cap):
-    """Decode steps (T = 1) and prefills, one and several KV heads, one query row per head
-    (T = 1, G = 1) and several, in float32 (the kernel's math is dtype-free): the same
-    attention over the cache."""
-    q, k, v, mask = _cache_inputs(jnp.float32, t, kv)
-    got, want = (layers.grouped_attention(q, k, v, mask, soft_cap, core=core)
-                 for core in (kernels._cpu_cache_core, layers.softmax_attention))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("t, kv", [(1, 1), (4, 1), (1, 4)])
-def test_bfloat16_cache_attention_multiplies_the_cache_as_it_lies(t, kv):
-    """Compiled for CPU, both products take bfloat16 operands (the plain core widens the
-    cache to float32), also with one query row per KV head (a matrix-vector product would
-    not), and the result is as close to float32 as the plain core's."""
-    q, k, v, mask = _cache_inputs(jnp.bfloat16, t, kv)
-    attend = lambda q, k, v: kernels.cached_attention(q, k, v, mask, None)  # noqa: E731
-    plain = lambda q, k, v: layers.grouped_attention(q, k, v, mask)  # noqa: E731
-    ours = _dot_operand_types(jax.jit(attend).lower(q, k, v).compile().as_text())
-    assert len(ours) == 4 and set(ours) == {"bf16"}
-    assert "f32" in _dot_operand_types(jax.jit(plain).lower(q, k, v).compile().as_text())
-    exact = np.float32(plain(*(np.float32(x) for x in (q, k, v))))
-    error = lambda f: float(np.abs(np.float32(f(q, k, v)) - exact).max())  # noqa: E731
-    assert error(attend) <= 1.5 * error(plain) + 1e-3
-
-
-@pytest.mark.parametrize("platform, dtype, cpu_kernel", [
-    ("cpu", "bfloat16", True), ("tpu", "bfloat16", False), ("cpu", "float32", False)])
-def test_the_cache_attention_kernel_is_chosen_by_platform_and_dtype(platform, dtype, cpu_kernel):
-    model = Gemma(TINY.replace(dtype=dtype))
-    ids = jnp.zeros((2, 1), jnp.int32)
-    params = jax.eval_shape(lambda: model.init(jax.random.key(0), ids))["params"]
-    step = lambda p, c: model.apply({"params": p}, ids, cache=c, cache_index=3)  # noqa: E731
-    lowered = jax.jit(step).trace(params, init_cache(TINY.replace(dtype=dtype), 2, 8)).lower(
-        lowering_platforms=(platform,))
-    assert ("cpu_kernel/cpu_cache_attention" in lowered.as_text(debug_info=True)) == cpu_kernel
-
-
-@pytest.mark.parametrize("b", [1, 4])
-def test_bfloat16_decode_products_multiply_bfloat16_and_equal_the_einsum(b):
-    """A narrow rows @ x^T (the step layout's and the tied logits' product) equals x @ rows^T
-    to bfloat16 rounding, and compiled, its one dot takes bfloat16 operands, also for one row
-    (a matrix-vector dot would not)."""
-    rows, x = _narrow((96, 40), (b, 40))
-    got = jax.jit(kernels.matmul_rows)(rows, x)
-    want = np.float32(x) @ np.float32(rows).T
-    assert got.shape == (b, 96) and got.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.float32(got), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
-    assert set(_dot_operand_types(jax.jit(kernels.matmul_rows).lower(rows, x).compile().as_text())) == {"bf16"}
-    wide = _dot_operand_types(jax.jit(lambda r, x: r @ x.T).lower(rows, x).compile().as_text())
-    assert "f32" in wide  # what the plain product compiles to

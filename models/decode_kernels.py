@@ -1,0 +1,156 @@
+"""XLA:CPU's own kernels for decoding, and the context that swaps them in.
+
+models/kernels.py says how a kernel is chosen by platform and holds the training kernels and
+the fast-form helpers; the decoder's are here. `jaxlm.decode` knows the devices it compiles
+for and traces its model calls inside `decode_steps(platform)`, which on CPU swaps the decode
+step's products for the kernels below (a Flax method interceptor: the layers keep their plain
+`__call__`) and elsewhere changes nothing. Some of them multiply the block kernels in another
+layout, the step layout, built once before the decode loop: state the decoder owns. The
+model's attention over its KV cache (`cached_attention`) goes through `kernels.by_platform`.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from models import layers, train_layout
+from models.kernels import batched_product, by_platform, row_major, transposed
+
+# The step layout (below) holds a second, transposed copy of the block kernels while a
+# generate call runs; models whose block kernels exceed this decode with their stored layout.
+STEP_LAYOUT_MAX_BYTES = 2 << 30
+# ... and only batches this small use it, where a step streams the weights: Gemma 3 270M with
+# vs without, float32, 48 new tokens: batch 8 11.4% faster, 16 7.1%, 40 (the demo's evaluation)
+# 1.3% slower and its 400 MB held for nothing (`BENCH real_ab_layout`, bench/README.md).
+STEP_LAYOUT_MAX_ROWS = 16
+
+
+# --- One token per step -------------------------------------------------------------------------
+
+def decode_steps(platform: str):
+    """Context in which the decoder traces its model calls for `platform`'s devices.
+
+    On CPU, every single-token product runs through a decode kernel:
+      * with the `step_layout` collection mutable (to build it) or passed in, each Einsum
+        multiplies its kernel's step layout, the same weights as an [out, in] row-major
+        matrix, as rows @ x^T: XLA:CPU streams that ~15% faster than x @ [in, out], and a
+        decode step of a small model is bound by that stream. Transposing costs a full read
+        and write of the kernel, so the decoder builds the layout once per call (one step
+        with the collection mutable) and passes it to every step (see `step_layout_pays`);
+      * without it, the query/key/value projections are dots batched over heads, which read
+        the [N, H, D] kernels in place instead of re-transposing them to [H, N*D] on every
+        step of the loop (~6-9% of a decode step);
+      * the tied embedding's logits are rows @ x^T as well (the table is already [V, H]),
+        ~1.5x faster than [B, H] @ [H, V] at batch 4.
+    Together with a vectorised argmax and one dot for the attention output these took the
+    bench config's decode step from 12.9 to ~8.4 ms: `python bench/generate.py`'s `BENCH
+    decode_step_vs_weight_read` line (`jaxlm=` ms per step) and `BENCH generate_b4` (new
+    tokens/s), 2026-11-30, bench/README.md. Elsewhere the layers run as written.
+    """
+    if platform != "cpu":
+        return contextlib.nullcontext()
+    return nn.intercept_methods(_cpu_decode_step)
+
+
+def step_layout_pays(platform: str, block_bytes: int, rows: int) -> bool:
+    """Whether the decoder should build the step layout for a batch of `rows`: on CPU, for
+    block kernels of at most STEP_LAYOUT_MAX_BYTES (the copy is held while generating) and at
+    most STEP_LAYOUT_MAX_ROWS rows (a larger batch is not bound by the weight stream)."""
+    return (platform == "cpu" and block_bytes <= STEP_LAYOUT_MAX_BYTES
+            and rows <= STEP_LAYOUT_MAX_ROWS)
+
+
+_PER_HEAD = "BTH,NHD->BTND"  # the query/key/value projections
+
+
+def _cpu_decode_step(next_fun, args, kwargs, context):
+    """Flax method interceptor: single-token Einsum products and tied logits -> CPU kernels."""
+    module = context.module
+    if isinstance(module, layers.Einsum) and context.method_name == "__call__":
+        bound = {**dict(zip(("eq", "x"), args)), **kwargs}
+        eq, x = bound.get("eq"), bound.get("x")
+        if x is not None and x.shape[1] == 1 and not module.is_initializing():
+            if module.is_mutable_collection("step_layout") or module.has_variable("step_layout", "kernel"):
+                return _step_product(module, next_fun(None), eq, x)
+            if eq == _PER_HEAD:
+                return _per_head(next_fun(None), x)
+    if isinstance(module, layers.Embedding) and context.method_name == "attend":
+        x = args[0] if args else kwargs["x"]
+        if x.shape[1] == 1:
+            return matmul_rows(module.embeddings.astype(module.dtype), x[:, 0].astype(module.dtype))[:, None]
+    return next_fun(*args, **kwargs)
+
+
+def _step_product(module: layers.Einsum, kernel, eq: str, x):
+    """x [B, 1, *in] -> [B, 1, *out] through the kernel's [out, in] rows (see decode_steps)."""
+    in_axes, out_axes = train_layout.axes(eq)
+    out_shape = [module.shape[i] for i in out_axes]
+    rows = module.variable("step_layout", "kernel",
+                           lambda: train_layout.matrix(kernel, out_axes, in_axes)).value
+    b = x.shape[0]
+    y = matmul_rows(rows, x.reshape(b, -1).astype(module.dtype))
+    return y.reshape(b, 1, *out_shape)
+
+
+def _per_head(kernel, x):
+    """x [B, 1, H], kernel [N, H, D] -> [B, 1, N, D] as a dot batched over the heads."""
+    b, _, h = x.shape
+    xb = jnp.broadcast_to(x[:, 0][None].astype(kernel.dtype), (kernel.shape[0], b, h))
+    y = jnp.einsum("NBH,NHD->NBD", xb, kernel, preferred_element_type=jnp.float32)  # as matmul_rows
+    return jnp.transpose(y.astype(kernel.dtype), (1, 0, 2))[:, None]
+
+
+def matmul_rows(rows, x):
+    """rows [O, I], x [B, I] -> x @ rows^T [B, O], computed as rows @ x^T. The barrier stops
+    XLA from folding the output transpose back into the dot (which would undo the layout).
+
+    Narrow rows need x^T written out row-major and a float32 result, XLA:CPU's one fast
+    bfloat16 form (models/kernels.py), and at least two columns (one row is
+    multiplied twice: a matrix-vector product is not that form). The real Gemma 3 270M's
+    bfloat16 tied table took 170 ms at batch 4 and 150 ms at batch 1 that way round, 13 and 12
+    ms this way (float32: 36 and 22 ms)."""
+    if jnp.dtype(rows.dtype) == jnp.float32:
+        return jax.lax.optimization_barrier(rows @ x.T).T
+    b = x.shape[0]
+    cols = jnp.concatenate([x, x]) if b == 1 else x
+    y = jnp.dot(rows, row_major(cols.T), preferred_element_type=jnp.float32)
+    return jax.lax.optimization_barrier(y).T[:b].astype(x.dtype)
+
+
+# --- Attention over the KV cache ----------------------------------------------------------------
+
+def cached_attention(q, k, v, mask, soft_cap: float | None):
+    """Decoding attention over the whole KV cache (prefill and every step),
+    `layers.grouped_attention` without `causal`: q [B, T, N, D], k/v [B, S, K, D], mask
+    [B, T, S] -> [B, T, N, D]. In a bfloat16 program for CPU its core is `_cpu_cache_core`."""
+    plain = functools.partial(layers.grouped_attention, soft_cap=soft_cap)
+    if jnp.dtype(q.dtype) == jnp.float32:
+        return plain(q, k, v, mask)
+
+    def cpu_cache_attention(q, k, v, mask):
+        return plain(q, k, v, mask, core=_cpu_cache_core)
+    return by_platform(q, k, v, mask, cpu=cpu_cache_attention, plain=plain)
+
+
+def _cpu_cache_core(q, k, v, m, soft_cap):
+    """`layers.softmax_attention` (forward) with the cache multiplied as it lies: logits^T =
+    k @ q^T [B, K, S, R] and out = probs @ v, so only q and the probabilities, R rows each,
+    are written transposed, and both products take bfloat16 operands and return float32
+    (XLA:CPU's fast form, models/kernels.py). The plain core's q @ k^T widens the
+    whole cache to float32 in every layer of every step: on the real Gemma 3 270M at batch 4
+    that conversion and the float32 products took ~210 us of a ~1 ms layer step (a profile;
+    `BENCH real_bf16_decode_b4`, bench/README.md)."""
+    if q.shape[2] == 1:  # one query row would make both products matrix-vector: not the form
+        twice = lambda x: jnp.concatenate([x, x], axis=2)  # noqa: E731
+        return _cpu_cache_core(twice(q), k, v, twice(m), soft_cap)[:, :, :1]
+    if k.shape[1] > 1:  # [B, S, K, D] read as [B, K, S, D] is then a transpose: write it out
+        k, v = row_major(k), row_major(v)
+    logits = batched_product(k, transposed(q))  # [B, K, S, R]
+    if soft_cap is not None:
+        logits = jnp.tanh(logits / soft_cap) * soft_cap
+    probs = jax.nn.softmax(jnp.where(jnp.swapaxes(m, -1, -2), logits, -1e9), axis=-2)
+    return batched_product(transposed(probs.astype(q.dtype)), v).astype(q.dtype)

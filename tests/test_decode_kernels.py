@@ -1,0 +1,150 @@
+"""models/decode_kernels.py: each decoding kernel equals the plain math it replaces, and each
+is chosen by the platform: the CPU one only for CPU, the plain math for TPU and GPU."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fast_form import dot_operand_types, narrow
+from models import decode_kernels, layers
+from models.gemma import PRESETS, Gemma, init_cache
+
+TINY = PRESETS["gemma_tiny"].replace(vocab_size=256, num_layers=1)
+
+
+@pytest.mark.parametrize("eq, kernel, x", [
+    ("BTH,NHD->BTND", (4, 8, 3), (2, 1, 8)),      # query/key/value
+    ("BTND,NDH->BTH", (4, 3, 8), (2, 1, 4, 3)),   # attention output
+    ("BTH,HF->BTF", (8, 12), (2, 1, 8)),          # FFN
+])
+def test_step_layout_equals_the_einsum(eq, kernel, x):
+    layer = layers.Einsum(kernel)
+    params = layer.init(jax.random.key(0), eq, jnp.zeros(x, jnp.float32))
+    x = jax.random.normal(jax.random.key(1), x)
+    plain = layer.apply(params, eq, x)
+    with decode_kernels.decode_steps("cpu"):
+        y, built = layer.apply(params, eq, x, mutable=["step_layout"])
+        rows = built["step_layout"]["kernel"]
+        assert rows.shape == (plain[0, 0].size, x[0, 0].size)  # [out, in]
+        np.testing.assert_allclose(y, plain, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(layer.apply({**params, **built}, eq, x), plain, rtol=1e-6, atol=1e-6)
+        # the layout only ever applies to single-token steps
+        longer = jnp.concatenate([x, x], axis=1)
+        np.testing.assert_allclose(layer.apply({**params, **built}, eq, longer),
+                                   layer.apply(params, eq, longer), rtol=1e-6)
+
+
+def test_per_head_projection_and_tied_logits_equal_the_einsums():
+    """Without a step layout, a one-token query/key/value projection is a dot batched over
+    heads and the tied logits are rows @ x^T behind a barrier; outside decode_steps("cpu")
+    (or for another platform) neither appears."""
+    x = jax.random.normal(jax.random.key(1), (3, 1, 8))
+    proj = layers.Einsum((4, 8, 5))
+    p = proj.init(jax.random.key(0), "BTH,NHD->BTND", x)
+    emb = layers.Embedding(11, 8)
+    e = emb.init(jax.random.key(2), jnp.zeros((1, 1), jnp.int32))
+
+    def run(*_):  # traced afresh for each platform (jax caches a trace per function)
+        return proj.apply(p, "BTH,NHD->BTND", x), emb.apply(e, x, method="attend")
+    plain = run()
+    for platform, replaced in (("cpu", True), ("tpu", False)):
+        with decode_kernels.decode_steps(platform):
+            for a, b in zip(run(), plain):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+            jaxpr = str(jax.make_jaxpr(lambda: run())())
+        assert ("[4,3,8]" in jaxpr and "optimization_barrier" in jaxpr) == replaced, jaxpr
+
+
+def test_a_gemma_decode_step_equals_the_plain_step_with_or_without_the_layout():
+    cfg = TINY.replace(num_layers=2)
+    model = Gemma(cfg)
+    prompt = jax.random.randint(jax.random.key(1), (2, 5), 0, cfg.vocab_size)
+    params = model.init(jax.random.key(0), prompt)["params"]
+    cache = model.apply({"params": params}, prompt, cache=init_cache(cfg, 2, 8), cache_index=0)[1]
+    step = lambda v, **kw: model.apply(v, prompt[:, -1:], cache=cache, cache_index=5, **kw)  # noqa: E731
+    plain, _ = step({"params": params})
+    with decode_kernels.decode_steps("cpu"):
+        per_head, _ = step({"params": params})
+        (_, _), layout = step({"params": params}, mutable=["step_layout"])
+        assert len(jax.tree.leaves(layout)) == 2 * 7  # q, k, v, out, 3 FFN kernels per block
+        with_layout, _ = step({"params": params, **layout})
+    for out in (per_head, with_layout):
+        np.testing.assert_allclose(out, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_init_on_a_single_token_builds_no_step_layout():
+    """init makes every collection mutable; jaxlm.load initialises on [1, 1] ids."""
+    with decode_kernels.decode_steps("cpu"):
+        variables = Gemma(TINY).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    assert set(variables) == {"params"}
+
+
+def test_the_step_layout_is_built_for_small_models_and_batches_on_cpu_only():
+    most, rows = decode_kernels.STEP_LAYOUT_MAX_BYTES, decode_kernels.STEP_LAYOUT_MAX_ROWS
+    assert decode_kernels.step_layout_pays("cpu", most, rows) and decode_kernels.step_layout_pays("cpu", 1, 4)
+    assert not decode_kernels.step_layout_pays("cpu", most + 1, 4)
+    assert not decode_kernels.step_layout_pays("cpu", 1, rows + 1)  # the demo's 40-prompt evaluation
+    assert not decode_kernels.step_layout_pays("tpu", 1, 4) and not decode_kernels.step_layout_pays("gpu", 1, 4)
+
+
+def _cache_inputs(dtype, t, kv, b=2, s=16, n=4, d=8):
+    """Queries [B, T, N, D] over a cache [B, S, K, D] whose row 1 holds 9 slots so far."""
+    keys = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(keys[0], (b, t, n, d)) * 0.5
+    k, v = (jax.random.normal(key, (b, s, kv, d)) for key in keys[1:])
+    mask = jnp.broadcast_to(jnp.arange(s) < jnp.array([s, 9])[:, None], (t, b, s)).transpose(1, 0, 2)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), mask
+
+
+@pytest.mark.parametrize("t, kv, soft_cap", [(1, 1, None), (1, 2, 2.0), (1, 4, None), (3, 1, 2.0), (3, 4, None)])
+def test_the_cpu_cache_core_equals_the_plain_core(t, kv, soft_cap):
+    """Decode steps (T = 1) and prefills, one and several KV heads, one query row per head
+    (T = 1, G = 1) and several, in float32 (the kernel's math is dtype-free): the same
+    attention over the cache."""
+    q, k, v, mask = _cache_inputs(jnp.float32, t, kv)
+    got, want = (layers.grouped_attention(q, k, v, mask, soft_cap, core=core)
+                 for core in (decode_kernels._cpu_cache_core, layers.softmax_attention))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t, kv", [(1, 1), (4, 1), (1, 4)])
+def test_bfloat16_cache_attention_multiplies_the_cache_as_it_lies(t, kv):
+    """Compiled for CPU, both products take bfloat16 operands (the plain core widens the
+    cache to float32), also with one query row per KV head (a matrix-vector product would
+    not), and the result is as close to float32 as the plain core's."""
+    q, k, v, mask = _cache_inputs(jnp.bfloat16, t, kv)
+    attend = lambda q, k, v: decode_kernels.cached_attention(q, k, v, mask, None)  # noqa: E731
+    plain = lambda q, k, v: layers.grouped_attention(q, k, v, mask)  # noqa: E731
+    ours = dot_operand_types(jax.jit(attend).lower(q, k, v).compile().as_text())
+    assert len(ours) == 4 and set(ours) == {"bf16"}
+    assert "f32" in dot_operand_types(jax.jit(plain).lower(q, k, v).compile().as_text())
+    exact = np.float32(plain(*(np.float32(x) for x in (q, k, v))))
+    error = lambda f: float(np.abs(np.float32(f(q, k, v)) - exact).max())  # noqa: E731
+    assert error(attend) <= 1.5 * error(plain) + 1e-3
+
+
+@pytest.mark.parametrize("platform, dtype, cpu_kernel", [
+    ("cpu", "bfloat16", True), ("tpu", "bfloat16", False), ("cpu", "float32", False)])
+def test_the_cache_attention_kernel_is_chosen_by_platform_and_dtype(platform, dtype, cpu_kernel):
+    model = Gemma(TINY.replace(dtype=dtype))
+    ids = jnp.zeros((2, 1), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), ids))["params"]
+    step = lambda p, c: model.apply({"params": p}, ids, cache=c, cache_index=3)  # noqa: E731
+    lowered = jax.jit(step).trace(params, init_cache(TINY.replace(dtype=dtype), 2, 8)).lower(
+        lowering_platforms=(platform,))
+    assert ("cpu_kernel/cpu_cache_attention" in lowered.as_text(debug_info=True)) == cpu_kernel
+
+
+@pytest.mark.parametrize("b", [1, 4])
+def test_bfloat16_decode_products_multiply_bfloat16_and_equal_the_einsum(b):
+    """A narrow rows @ x^T (the step layout's and the tied logits' product) equals x @ rows^T
+    to bfloat16 rounding, and compiled, its one dot takes bfloat16 operands, also for one row
+    (a matrix-vector dot would not)."""
+    rows, x = narrow((96, 40), (b, 40))
+    got = jax.jit(decode_kernels.matmul_rows)(rows, x)
+    want = np.float32(x) @ np.float32(rows).T
+    assert got.shape == (b, 96) and got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.float32(got), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    assert set(dot_operand_types(jax.jit(decode_kernels.matmul_rows).lower(rows, x).compile().as_text())) == {"bf16"}
+    wide = dot_operand_types(jax.jit(lambda r, x: r @ x.T).lower(rows, x).compile().as_text())
+    assert "f32" in wide  # what the plain product compiles to
