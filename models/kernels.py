@@ -107,8 +107,9 @@ def gated_ffn(x, gate: layers.Einsum, up: layers.Einsum, down: layers.Einsum):
     """Gemma's FFN, down(geglu(gate(x), up(x))): x [B, T, H] -> [B, T, H].
 
     gate, up: Einsum layers with [H, F] kernels, down: [F, H]. A decode step (T = 1) goes
-    through the layers themselves, so `decode_kernels.decode_steps` can replace each product; longer inputs
-    run `layers.gated_ffn` on the flat tokens, on CPU with `_cpu_gated_ffn`'s backward.
+    through the layers themselves, so `decode_kernels.decode_steps` can replace each product;
+    longer inputs run `layers.gated_ffn` on the flat tokens, on CPU with `_cpu_gated_ffn`'s
+    backward.
     """
     b, t, h = x.shape
     w_gate, w_up, w_down = gate(None), up(None), down(None)
@@ -129,15 +130,16 @@ def _cpu_gated_ffn(x, w_gate, w_up, w_down):
     bench config. Justified by `python bench/train_step.py`'s `BENCH train_full` and `BENCH
     train_lora` lines (jaxlm tokens/s: full 465.6 -> 567-582, LoRA 789 -> 823-849 when it
     came in on 2026-11-30; bench/README.md, "CPU, 2 cores"). Here every weight gradient is an
-    [H, N] @ [N, F] product, so only [N, H]-sized arrays are ever transposed. When none of the
+    [H, N] @ [N, F] product, so no [N, F] activation is ever transposed. When none of the
     three kernels is differentiated (a LoRA step that leaves the FFN frozen) the backward
     computes the input gradient only, as autodiff would.
 
     Narrow kernels go a slice of F at a time (`slices`), forward and backward; the slices'
     products are summed in float32. Their products are all in XLA:CPU's fast bfloat16 form
-    (`_product`, `_t`): the real Gemma 3 270M's bfloat16 full fine-tune step at 8 x 128 went
-    from ~7.6 to ~6.45 s, its FFN products from 1.5 to 0.6 s (an A/B and a profile, ad hoc;
-    the bench line is `BENCH real_bf16_train_full_t128`, bench/README.md).
+    (`_product`, `_t`; a narrow kernel's transpose, one slice at a time, is written out too):
+    the real Gemma 3 270M's bfloat16 full fine-tune step at 8 x 128 went from ~7.6 to ~6.45
+    s, its FFN products from 1.5 to 0.6 s (an A/B and a profile, ad hoc; the bench line is
+    `BENCH real_bf16_train_full_t128`, bench/README.md).
     """
     return _ffn_forward(x, w_gate, w_up, w_down)[0]
 
