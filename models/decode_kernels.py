@@ -6,7 +6,8 @@ for and traces its model calls inside `decode_steps(platform)`, which on CPU swa
 step's products for the kernels below (a Flax method interceptor: the layers keep their plain
 `__call__`) and elsewhere changes nothing. Some of them multiply the block kernels in another
 layout, the step layout, built once before the decode loop: state the decoder owns. The
-model's attention over its KV cache (`cached_attention`) goes through `kernels.by_platform`.
+model's attention over its KV cache (`cached_attention`) goes through
+`kernels.narrow_by_platform`.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from models import layers, train_layout
-from models.kernels import batched_product, by_platform, row_major, transposed
+from models.kernels import batched_product, narrow_by_platform, row_major, transposed
 
 # The step layout (below) holds a second, transposed copy of the block kernels while a
 # generate call runs; models whose block kernels exceed this decode with their stored layout.
@@ -128,12 +129,10 @@ def cached_attention(q, k, v, mask, soft_cap: float | None):
     `layers.grouped_attention` without `causal`: q [B, T, N, D], k/v [B, S, K, D], mask
     [B, T, S] -> [B, T, N, D]. In a bfloat16 program for CPU its core is `_cpu_cache_core`."""
     plain = functools.partial(layers.grouped_attention, soft_cap=soft_cap)
-    if jnp.dtype(q.dtype) == jnp.float32:
-        return plain(q, k, v, mask)
 
     def cpu_cache_attention(q, k, v, mask):
         return plain(q, k, v, mask, core=_cpu_cache_core)
-    return by_platform(q, k, v, mask, cpu=cpu_cache_attention, plain=plain)
+    return narrow_by_platform(q, k, v, mask, cpu=cpu_cache_attention, plain=plain)
 
 
 def _cpu_cache_core(q, k, v, m, soft_cap):

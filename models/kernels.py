@@ -10,7 +10,8 @@ How the platform is chosen:
     attention over its KV cache (models/decode_kernels.py) go through `by_platform`, i.e.
     `jax.lax.platform_dependent`: both versions are traced and the one for the platform the
     program is *lowered* for is kept, so a step compiled on a CPU host for a TPU slice
-    (`jaxlm.train.aot`) gets the plain math.
+    (`jaxlm.train.aot`) gets the plain math. The attention kernels gain only in a narrow
+    dtype and take `narrow_by_platform`, which runs float32 as the plain math everywhere.
   * Decoding swaps some products inside a context the decoder enters for its platform
     (`decode_kernels.decode_steps`), some of them in a layout built once before the decode
     loop: state the decoder owns.
@@ -37,6 +38,15 @@ def by_platform(*args, cpu, plain):
     CPU version's ops are named `cpu_kernel/<its name>` (in profiles and lowered text)."""
     return jax.lax.platform_dependent(
         *args, cpu=jax.named_scope(f"cpu_kernel/{cpu.__name__}")(cpu), default=plain)
+
+
+def narrow_by_platform(*args, cpu, plain):
+    """`by_platform` for a kernel that pays only in a narrow dtype (its products in XLA:CPU's
+    fast bfloat16 form): with float32 arguments, whose products gain nothing from it, `plain`
+    runs on every platform."""
+    if jnp.dtype(args[0].dtype) == jnp.float32:
+        return plain(*args)
+    return by_platform(*args, cpu=cpu, plain=plain)
 
 
 # --- Training: narrow weights a slice at a time ----------------------------------------------
@@ -239,12 +249,10 @@ def causal_attention(q, k, v, mask, soft_cap: float | None, window: int | None):
     D], k/v [B, T, K, D], mask [B, T, T] -> [B, T, N, D]. In a bfloat16 program for CPU its
     softmax core is `_cpu_softmax_attention`."""
     plain = functools.partial(layers.grouped_attention, soft_cap=soft_cap, causal=True, window=window)
-    if jnp.dtype(q.dtype) == jnp.float32:  # XLA:CPU's float32 products gain nothing from it
-        return plain(q, k, v, mask)
 
     def cpu_attention(q, k, v, mask):
         return plain(q, k, v, mask, block=CPU_QUERY_BLOCK, core=_cpu_softmax_attention)
-    return by_platform(q, k, v, mask, cpu=cpu_attention, plain=plain)
+    return narrow_by_platform(q, k, v, mask, cpu=cpu_attention, plain=plain)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
