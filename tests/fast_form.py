@@ -3,6 +3,10 @@ compiled products multiply."""
 import jax
 import jax.numpy as jnp
 
+# (platform lowered for, model dtype, whether the CPU kernel is in the program) for a kernel
+# that gains only in a narrow dtype (`kernels.narrow_by_platform`).
+NARROW_KERNEL_CHOICES = [("cpu", "bfloat16", True), ("tpu", "bfloat16", False), ("cpu", "float32", False)]
+
 
 def narrow(*shapes, seed=0):
     keys = jax.random.split(jax.random.key(seed), len(shapes))

@@ -44,6 +44,13 @@ def positive(value: str) -> float:
     return x
 
 
+def ratio_within_rounding(ratio: str, num: float, den: float, half: float) -> bool:
+    """Whether a ratio printed to 0.01 is num / den for some num and den within `half` (their
+    printing's rounding) of the printed ones."""
+    bounds = [(num + a) / max(den + b, 1e-9) for a in (-half, half) for b in (-half, half)]
+    return min(bounds) - 0.005 <= float(ratio) <= max(bounds) + 0.005
+
+
 def test_train_step_bench_compares_both_modes_with_kerashub():
     out, lines = run_bench("train_step.py", "--layers=1", "--vocab=512", "--batch=2", "--seq=32",
                            "--steps=1", "--warmup=1")
@@ -81,10 +88,10 @@ def test_generate_bench_gives_kerashub_strings():
     # The step is the slope between two call lengths: on a 1-layer model with one repeat,
     # noise can make it negative, so check the arithmetic (to the printing's rounding), not
     # the sign. CI failed once on jaxlm_x_read=-0.06.
-    step, read, half = float(fields["jaxlm"]), positive(fields["weight_read_ms"]), 0.005
+    step = float(fields["jaxlm"])
     assert math.isfinite(step)
-    bounds = [(step + a) / (read + b) for a in (-half, half) for b in (-half, half) if read + b > 0]
-    assert min(bounds) - half <= float(fields["jaxlm_x_read"]) <= max(bounds) + half, fields
+    assert ratio_within_rounding(fields["jaxlm_x_read"], step, positive(fields["weight_read_ms"]),
+                                 half=0.005), fields
 
 
 def test_skinny_matmul_bench_times_each_column_count_against_one_read():
@@ -96,11 +103,9 @@ def test_skinny_matmul_bench_times_each_column_count_against_one_read():
     for name in ("read_ms", "c1_ms", "c4_ms", "c1_x_read", "c4_x_read", "numpy_c4_ms"):
         positive(fields[name])
     assert "c2_ms" not in fields
-    # The times are printed to 0.001 ms and the ratio to 0.01: the ratio must lie within what
-    # those roundings allow (a tiny read time makes the bound wide, not the check vacuous).
-    c4, read, half = float(fields["c4_ms"]), float(fields["read_ms"]), 0.0005
-    low, high = (c4 - half) / (read + half), (c4 + half) / max(read - half, 1e-9)
-    assert low - 0.005 <= float(fields["c4_x_read"]) <= high + 0.005, fields
+    # The times are printed to 0.001 ms: a tiny read time makes the bound wide, not the check vacuous.
+    assert ratio_within_rounding(fields["c4_x_read"], float(fields["c4_ms"]), float(fields["read_ms"]),
+                                 half=0.0005), fields
 
 
 def test_skinny_matmul_bench_refuses_more_cores_than_it_may_use():

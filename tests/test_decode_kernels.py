@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fast_form import dot_operand_types, narrow
+from fast_form import NARROW_KERNEL_CHOICES, dot_operand_types, narrow
 from models import decode_kernels, layers
 from models.gemma import PRESETS, Gemma, init_cache
 
@@ -123,8 +123,7 @@ def test_bfloat16_cache_attention_multiplies_the_cache_as_it_lies(t, kv):
     assert error(attend) <= 1.5 * error(plain) + 1e-3
 
 
-@pytest.mark.parametrize("platform, dtype, cpu_kernel", [
-    ("cpu", "bfloat16", True), ("tpu", "bfloat16", False), ("cpu", "float32", False)])
+@pytest.mark.parametrize("platform, dtype, cpu_kernel", NARROW_KERNEL_CHOICES)
 def test_the_cache_attention_kernel_is_chosen_by_platform_and_dtype(platform, dtype, cpu_kernel):
     model = Gemma(TINY.replace(dtype=dtype))
     ids = jnp.zeros((2, 1), jnp.int32)

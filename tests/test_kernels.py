@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fast_form import dot_operand_types, narrow
+from fast_form import NARROW_KERNEL_CHOICES, dot_operand_types, narrow
 from models import kernels, layers, train_layout
 from models.gemma import PRESETS, Gemma
 
@@ -341,8 +341,7 @@ def test_every_product_of_the_bfloat16_cpu_attention_multiplies_bfloat16():
     assert "f32" in plain
 
 
-@pytest.mark.parametrize("platform, dtype, cpu_kernel", [
-    ("cpu", "bfloat16", True), ("tpu", "bfloat16", False), ("cpu", "float32", False)])
+@pytest.mark.parametrize("platform, dtype, cpu_kernel", NARROW_KERNEL_CHOICES)
 def test_the_attention_kernel_is_chosen_by_platform_and_dtype(platform, dtype, cpu_kernel):
     model = Gemma(TINY.replace(dtype=dtype))
     ids = jnp.zeros((2, 8), jnp.int32)
