@@ -116,14 +116,14 @@ def _cpu_tied_logits(h, emb):
 def gated_ffn(x, gate: layers.Einsum, up: layers.Einsum, down: layers.Einsum):
     """Gemma's FFN, down(geglu(gate(x), up(x))): x [B, T, H] -> [B, T, H].
 
-    gate, up: Einsum layers with [H, F] kernels, down: [F, H]. A decode step (T = 1) goes
-    through the layers themselves, so `decode_kernels.decode_steps` can replace each product;
-    longer inputs run `layers.gated_ffn` on the flat tokens, on CPU with `_cpu_gated_ffn`'s
-    backward.
+    gate, up: Einsum layers with [H, F] kernels, down: [F, H]. A decode step (T = 1), and a
+    step with a train layout or LoRA factors at any of them (`train_layout.intercepts`), go
+    through the layers themselves, so the interceptors can replace each product; other inputs
+    run `layers.gated_ffn` on the flat tokens, on CPU with `_cpu_gated_ffn`'s backward.
     """
     b, t, h = x.shape
     w_gate, w_up, w_down = gate(None), up(None), down(None)
-    if t == 1 or all(train_layout.holds(m) for m in (gate, up, down)):  # products the interceptors replace
+    if t == 1 or any(train_layout.intercepts(m) for m in (gate, up, down)):
         return down("BTF,FH->BTH", layers.geglu(gate("BTH,HF->BTF", x), up("BTH,HF->BTF", x)))
     flat = x.reshape(b * t, h).astype(w_gate.dtype)
     out = by_platform(flat, w_gate, w_up, w_down, cpu=_cpu_gated_ffn, plain=layers.gated_ffn)

@@ -135,6 +135,12 @@ def holds(module) -> bool:
         module.has_variable(COLLECTION, name) for name in ("forward", "backward"))
 
 
+def intercepts(module) -> bool:
+    """Whether a call of `module` (bound) must go through its `__call__`, where `products`
+    multiplies: it holds a layout, or LoRA factors (which without one are refused there)."""
+    return holds(module) or module.has_variable(LORA, "lora_a")
+
+
 def products(scale: float = 1.0):
     """Context in which a model traced with its train layout (and LoRA factors, times `scale`)
     passed in multiplies through them."""

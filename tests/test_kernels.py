@@ -274,6 +274,12 @@ def test_unmerged_adapters_never_go_unused():
                                              if k != "attention"}}
     with pytest.raises(ValueError, match="decoder_block_1/attention/query but no train layout"):
         lm_loss_fn(model)(params, batch, None, layout=partial, adapters=adapters)
+    from jaxlm import lora  # an FFN target whose layout is missing is refused the same way
+    ffn = lora.init(params, 4, key=jax.random.key(2), targets=(".*/ffw_gating/kernel",))
+    partial = {**layout, "decoder_block_1": {k: v for k, v in layout["decoder_block_1"].items()
+                                             if k != "ffw_gating"}}
+    with pytest.raises(ValueError, match="decoder_block_1/ffw_gating but no train layout"):
+        lm_loss_fn(model)(params, batch, None, layout=partial, adapters=ffn)
 
 
 def test_the_train_layout_is_for_narrow_small_bases_on_cpu_only():
