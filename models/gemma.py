@@ -133,7 +133,8 @@ class Attention(nn.Module):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         n, k, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim
-        q, key, value = (layers.Einsum((heads, h, d), dtype, name=name)("BTH,NHD->BTND", x)
+        q, key, value = (kernels.project(layers.Einsum((heads, h, d), dtype, name=name),
+                                         "BTH,NHD->BTND", x)
                          for heads, name in ((n, "query"), (k, "key"), (k, "value")))
 
         if cfg.use_query_key_norm:
@@ -166,7 +167,7 @@ class Attention(nn.Module):
                 out = decode_kernels.cached_attention(q, key, value, mask, cfg.attention_logit_soft_cap)
             out = layers.constrain(out, rows)
         out_proj = layers.Einsum((n, d, h), dtype, name="attention_output")
-        out = out_proj("BTND,NDH->BTH", out)
+        out = kernels.project(out_proj, "BTND,NDH->BTH", out)
         return out, cache
 
 

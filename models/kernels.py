@@ -3,15 +3,17 @@
 models/gemma.py and models/layers.py write every computation once, as the math. A few of them
 run markedly faster on XLA:CPU written another way; those versions live here, each with the
 bench measurement that justifies it, and each is checked against the plain math in
-tests/test_kernels.py. On TPU and GPU the plain math runs.
+tests/test_kernels.py (the projections in tests/test_projection_kernel.py). On TPU and GPU the
+plain math runs.
 
 How the platform is chosen:
-  * Training (`gated_ffn`, `causal_attention`, and the loss's `tied_logits`) and the decoder's
-    attention over its KV cache (models/decode_kernels.py) go through `by_platform`, i.e.
-    `jax.lax.platform_dependent`: both versions are traced and the one for the platform the
-    program is *lowered* for is kept, so a step compiled on a CPU host for a TPU slice
-    (`jaxlm.train.aot`) gets the plain math. The attention kernels gain only in a narrow
-    dtype and take `narrow_by_platform`, which runs float32 as the plain math everywhere.
+  * Training (`gated_ffn`, `project`, `causal_attention`, and the loss's `tied_logits`) and
+    the decoder's attention over its KV cache (models/decode_kernels.py) go through
+    `by_platform`, i.e. `jax.lax.platform_dependent`: both versions are traced and the one for
+    the platform the program is *lowered* for is kept, so a step compiled on a CPU host for a
+    TPU slice (`jaxlm.train.aot`) gets the plain math. The attention kernels and projections
+    gain only in a narrow dtype and take `narrow_by_platform`, which runs float32 as the
+    plain math everywhere.
   * Decoding swaps some products inside a context the decoder enters for its platform
     (`decode_kernels.decode_steps`), some of them in a layout built once before the decode
     loop: state the decoder owns.
@@ -29,6 +31,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from models import layers, train_layout
 
@@ -233,6 +236,68 @@ def _cpu_gated_ffn_bwd(residuals, d_out):
 
 
 _cpu_gated_ffn.defvjp(_cpu_gated_ffn_fwd, _cpu_gated_ffn_bwd, symbolic_zeros=True)
+
+
+# --- Training: the attention projections ----------------------------------------------------
+
+def project(layer: layers.Einsum, eq: str, x):
+    """`layer(eq, x)` for an attention projection (x [B, T, ...] with its contracted axes last,
+    as `train_layout.axes` reads them). A decode step (T = 1) and a step through the train
+    layout (or with LoRA factors beside it) go through the layer, whose interceptors replace
+    the product; otherwise a bfloat16 program for CPU multiplies with `_cpu_projection`."""
+    kernel = layer(None)
+    if x.shape[1] == 1 or train_layout.intercepts(layer):
+        return layer(eq, x)
+    ins, outs = train_layout.axes(eq)
+
+    def cpu_projection(x, kernel):
+        flat = x.reshape(-1, math.prod(kernel.shape[i] for i in ins))
+        y = _cpu_projection(flat, kernel, tuple(ins), tuple(outs))
+        return y.reshape(*x.shape[:-len(ins)], *(kernel.shape[i] for i in outs))
+    return narrow_by_platform(x.astype(kernel.dtype), kernel, cpu=cpu_projection,
+                              plain=functools.partial(jnp.einsum, eq))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _cpu_projection(x, kernel, ins, outs):
+    """x [M, I] @ kernel read as an [I, O] matrix (its axes `ins`, then `outs`) -> [M, O]: the
+    forward and both backward products in XLA:CPU's fast bfloat16 form (`_product`). With
+    autodiff's einsums XLA:CPU multiplied the [N, H, D] kernels and the transposed activations
+    of the weight gradients in float32; here the kernel is written out as the matrix each
+    product needs (small next to the activations), as is x^T. The real Gemma 3 270M's
+    bfloat16 full fine-tune step at 8 x 128 tokens: its q/k/v/o products ~0.72 -> ~0.23 s, the
+    step ~6.0 -> ~5.4 s (a profile and an A/B, ad hoc; the bench line is `BENCH
+    real_bf16_train_full_t128`, bench/README.md). With the kernel frozen, the backward is d_x
+    alone."""
+    return _product(x, _matrix(kernel, ins, outs))
+
+
+def _matrix(kernel, rows, cols):
+    """kernel as a row-major [prod rows, prod cols] matrix (`train_layout.matrix`)."""
+    m = train_layout.matrix(kernel, list(rows), list(cols))
+    return m if list(rows + cols) == sorted(rows + cols) else row_major(m)
+
+
+def _cpu_projection_fwd(x, kernel, ins, outs):
+    trained = kernel.perturbed
+    x, kernel = x.value, kernel.value
+    return _cpu_projection(x, kernel, ins, outs), (x if trained else None, kernel)
+
+
+def _cpu_projection_bwd(ins, outs, residuals, d_y):
+    x, kernel = residuals
+    if isinstance(d_y, SymbolicZero):
+        return None, None
+    d_y = d_y.astype(kernel.dtype)
+    d_x = _product(d_y, _matrix(kernel, outs, ins))
+    if x is None:
+        return d_x, None
+    d_w = _product(_t(x), d_y).reshape(*(kernel.shape[i] for i in ins + outs))
+    order = ins + outs
+    return d_x, jnp.transpose(d_w, sorted(range(len(order)), key=order.__getitem__))
+
+
+_cpu_projection.defvjp(_cpu_projection_fwd, _cpu_projection_bwd, symbolic_zeros=True)
 
 
 # --- Training: causal attention in bfloat16 --------------------------------------------------
