@@ -13,8 +13,10 @@ def narrow(*shapes, seed=0):
     return [(jax.random.normal(k, s) * 0.5).astype(jnp.bfloat16) for k, s in zip(keys, shapes)]
 
 
-def dot_operand_types(hlo: str) -> list[str]:
-    """The element types of every dot's operands in compiled HLO text."""
+def dots(hlo: str) -> list[tuple[str, str, str, str, str]]:
+    """Every dot in compiled HLO text as (lhs type, rhs type, result type, lhs contracting
+    dims, rhs contracting dims): XLA:CPU's fast bfloat16 form of a 2-D product is
+    ("bf16", "bf16", "f32", "{1}", "{0}")."""
     types, found = {}, []
     for line in hlo.splitlines():
         if " = " not in line:
@@ -22,5 +24,12 @@ def dot_operand_types(hlo: str) -> list[str]:
         name, rest = line.strip().removeprefix("ROOT ").split(" = ", 1)
         types[name] = rest.split("[", 1)[0]
         if " dot(" in rest:
-            found += [types[o.strip()] for o in rest.split(" dot(", 1)[1].split(")", 1)[0].split(",")]
+            lhs, rhs = (o.strip() for o in rest.split(" dot(", 1)[1].split(")", 1)[0].split(","))
+            dims = [rest.split(f"{side}_contracting_dims=", 1)[1].split("}", 1)[0] + "}" for side in ("lhs", "rhs")]
+            found.append((types[lhs], types[rhs], types[name], *dims))
     return found
+
+
+def dot_operand_types(hlo: str) -> list[str]:
+    """The element types of every dot's operands in compiled HLO text."""
+    return [t for lhs, rhs, *_ in dots(hlo) for t in (lhs, rhs)]

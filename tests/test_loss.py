@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import ragged_batch
+from fast_form import NARROW_KERNEL_CHOICES, dots
 from jaxlm.train import loss as L
 from models.gemma import Gemma, PRESETS
 
@@ -229,3 +230,60 @@ def test_only_chunks_with_a_weighted_target_are_projected(monkeypatch):
     jax.effects_barrier()
     assert not calls and float(loss) == 0.0 and not np.asarray(grad).any()
     assert L.live_chunks(w, 4) == 1 and L.live_chunks(jnp.ones_like(w), 4) == 4
+
+
+# --- A trained table on CPU in bfloat16: the chunks vocabulary-major ---------------------------
+
+@pytest.mark.parametrize("chunk, cap", [(4, None), (3, 2.0), (16, None)])
+def test_the_vocab_major_chunks_equal_naive(monkeypatch, chunk, cap):
+    """Forced on (in float32, where the platform choice runs the token-major loop), the
+    vocabulary-major chunks give the naive loss's sums and gradients, with holes, padding
+    (16 % 3) and the soft cap."""
+    monkeypatch.setattr(L.kernels, "narrow_by_platform", lambda *args, cpu, plain: cpu(*args))
+    hidden, emb, y, w = _scattered()
+    capped = lambda logits: logits if cap is None else jnp.tanh(logits / cap) * cap  # noqa: E731
+    f = lambda hh, e: L.chunked_cross_entropy(hh, e, y, w, chunk_size=chunk, logit_soft_cap=cap)  # noqa: E731
+    naive = lambda hh, e: L.naive_cross_entropy(capped(hh @ e.T), y, w)  # noqa: E731
+    m, ref = f(hidden, emb), naive(hidden, emb)
+    np.testing.assert_allclose(float(m["loss_sum"]), float(ref["loss_sum"]), rtol=1e-5)
+    assert float(m["correct"]) == float(ref["correct"])
+    grads = jax.grad(lambda hh, e: f(hh, e)["loss_sum"], argnums=(0, 1))(hidden, emb)
+    ref_grads = jax.grad(lambda hh, e: naive(hh, e)["loss_sum"], argnums=(0, 1))(hidden, emb)
+    for a, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
+
+
+def test_every_product_of_a_trained_bfloat16_table_loss_is_in_the_fast_form():
+    """Compiled for CPU, the loss with both gradients of a trained bfloat16 table multiplies
+    [N, K] @ [K, M], bfloat16 in and float32 out, in all its products (token-major, the
+    logits multiply a transposed table), and its gradients stay as close to float32's as the
+    token-major ones."""
+    hidden, emb, y, w = _scattered(t=32, h=16, v=300)
+
+    def gradients():  # a new function per compile: jit would reuse the first trace
+        return lambda hidden, emb: jax.grad(
+            lambda hh, e: L.chunked_cross_entropy(hh, e, y, w, chunk_size=8)["loss_sum"], argnums=(0, 1))(hidden, emb)
+    narrow = (hidden.astype(jnp.bfloat16), emb.astype(jnp.bfloat16))
+    fast = ("bf16", "bf16", "f32", "{1}", "{0}")
+    assert dots(jax.jit(gradients()).lower(*narrow).compile().as_text()) == [fast] * 3
+    exact = gradients()(hidden, emb)
+
+    def error(got):
+        return sum(float(np.abs(np.float32(g) - e).max() / np.abs(e).max()) for g, e in zip(got, exact))
+    ours = error(gradients()(*narrow))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(L.kernels, "narrow_by_platform", lambda *args, cpu, plain: plain(*args))
+        assert set(dots(jax.jit(gradients()).lower(*narrow).compile().as_text())) != {fast}
+        token_major = error(gradients()(*narrow))
+    assert ours <= 1.2 * token_major + 1e-3
+
+
+@pytest.mark.parametrize("platform, dtype, cpu_kernel", NARROW_KERNEL_CHOICES)
+def test_the_vocab_major_chunks_are_chosen_by_platform_and_dtype(platform, dtype, cpu_kernel):
+    """Only a bfloat16 program lowered for CPU takes them, and only with the table trained."""
+    hidden, emb, y, w = _scattered()
+    hidden, emb = hidden.astype(dtype), emb.astype(dtype)
+    loss = lambda hh, e: L.chunked_cross_entropy(hh, e, y, w, chunk_size=4)["loss_sum"]  # noqa: E731
+    for argnums, expected in (((0, 1), cpu_kernel), (0, False)):
+        lowered = jax.jit(jax.grad(loss, argnums)).trace(hidden, emb).lower(lowering_platforms=(platform,))
+        assert ("cpu_kernel/cpu_vocab_major" in lowered.as_text(debug_info=True)) == expected

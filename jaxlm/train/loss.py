@@ -41,7 +41,7 @@ def shift(token_ids, padding_mask):
 
 
 # Logits per [B, C, V] block, by platform. Each chunk re-reads the [V, H] table and adds its
-# gradient into the float32 [H, V] accumulator, so the chunk count is paid in memory traffic.
+# gradient into the float32 table-sized accumulator, so the chunk count is paid in memory traffic.
 # CPU: 32 MiB blocks (at 2**22, 16 positions of 8 x 32000, the bench-config loss took 7% longer
 # and the full fine-tune step 5.6%), and see `cpu_budget` for large vocabularies. Accelerators:
 # 512 MiB blocks, which HBM holds easily; with the CPU budget Gemma 2B at 2 x 2048 tokens ran
@@ -137,33 +137,52 @@ def _chunk_logits(h_c, emb, columns, cap):
         logits = kernels.tied_logits(flat, emb)
     else:  # rounded to the compute dtype, as the product above
         logits = jnp.dot(flat, columns, preferred_element_type=jnp.float32).astype(h_c.dtype)
-    logits = logits.astype(jnp.float32).reshape(b, c, -1)
+    return _capped(logits.astype(jnp.float32).reshape(b, c, -1), cap)
+
+
+def _capped(logits, cap):
+    """-> (logits after the cap, tanh(logits / cap) or None)."""
     if cap is None:
         return logits, None
     th = jnp.tanh(logits / cap)
     return th * cap, th
 
 
-def _chunk_sums(logits, y_c, w_c):
-    """-> (weighted CE sum, weighted argmax hits, logsumexp [B, C]) of float32 logits [B, C, V].
+def _chunk_sums(logits, y_c, w_c, axis=-1):
+    """-> (weighted CE sum, weighted argmax hits, logsumexp) of float32 logits [B, C, V] (or
+    any layout with the vocabulary on `axis`; y_c, w_c and the logsumexp lack that axis).
 
-    After the max, one variadic reduction takes both the sum of exp(logits - max) and the
-    first index reaching the max (`jnp.argmax`'s tie rule; a NaN row gives its last index):
-    one read of the block instead of two, and XLA:CPU's plain loop beats its YNNPACK sum
-    (the bench-config loss: 25 ms less per step, bench/README.md).
+    After the max, one variadic reduction over the last axis takes both the sum of
+    exp(logits - max) and the first index reaching the max (`jnp.argmax`'s tie rule; a NaN
+    row gives its last index): one read of the block instead of two, and XLA:CPU's plain loop
+    beats its YNNPACK sum (the bench-config loss: 25 ms less per step, bench/README.md). Over
+    a leading axis that loop walks columns, and two reductions are ~6x faster ([262144, 256]
+    float32 logits: ~395 -> ~67 ms, ad hoc).
     """
-    top = jnp.max(logits, axis=-1, keepdims=True)
+    axis = axis % logits.ndim
+    top = jnp.max(logits, axis=axis, keepdims=True)
     shift = jnp.where(jnp.isfinite(top), top, 0.0)  # as jax.nn.logsumexp: an all -inf row is -inf
-    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    last = logits.shape[-1] - 1
-    total, first = jax.lax.reduce(
-        (jnp.exp(logits - shift), jnp.where(logits == top, index, last)),
-        (jnp.float32(0), jnp.int32(last)),
-        lambda a, b: (a[0] + b[0], jnp.minimum(a[1], b[1])), (logits.ndim - 1,))
-    lse = jnp.log(total) + shift[..., 0]
-    target_logit = jnp.take_along_axis(logits, y_c[..., None], axis=-1)[..., 0]
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, axis)
+    last = logits.shape[axis] - 1
+    exp, at_top = jnp.exp(logits - shift), jnp.where(logits == top, index, last)
+    if axis == logits.ndim - 1:
+        total, first = jax.lax.reduce((exp, at_top), (jnp.float32(0), jnp.int32(last)),
+                                      lambda a, b: (a[0] + b[0], jnp.minimum(a[1], b[1])), (axis,))
+    else:
+        total, first = jnp.sum(exp, axis=axis), jnp.min(at_top, axis=axis)
+    lse = jnp.log(total) + jnp.squeeze(shift, axis)
+    target_logit = jnp.squeeze(jnp.take_along_axis(logits, jnp.expand_dims(y_c, axis), axis=axis), axis)
     hit = (first == y_c).astype(jnp.float32) * w_c
     return ((lse - target_logit) * w_c).sum(), hit.sum(), lse
+
+
+def _logit_gradient(logits, lse, y_c, w_c, th, axis=-1):
+    """dCE/dlogits = (softmax - onehot) * weight (* tanh' under the cap), float32, the
+    vocabulary on `axis` of logits (and th); lse, y_c, w_c lack it."""
+    axis = axis % logits.ndim
+    target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, axis) == jnp.expand_dims(y_c, axis)
+    d = (jnp.exp(logits - jnp.expand_dims(lse, axis)) - target) * jnp.expand_dims(w_c, axis)
+    return d if th is None else d * (1.0 - th * th)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -187,32 +206,84 @@ def _fused_ce_fwd(h, emb, columns, y, w, live, cap):
 
     Arguments are CustomVJPPrimals (symbolic zeros): when the embedding is not differentiated
     (a LoRA step with the tied embedding frozen) only d_hidden is computed, and the float32
-    [H, V] embedding-gradient accumulator does not exist."""
+    embedding-gradient accumulator does not exist. When it is, a bfloat16 program for CPU
+    takes the chunks vocabulary-major (`_cpu_vocab_major`)."""
     train_emb = emb.perturbed
     h, emb, y, w, live = h.value, emb.value, y.value, w.value, live.value
     columns = None if columns is None else columns.value
+    if not train_emb:
+        loss, hits, _, d_h = _chunk_loop(h, live, None, lambda i: _token_major(
+            h[i], emb, columns, y[i], w[i], cap, train_emb=False))
+        return (loss, hits), (d_h, None)
 
+    def token_major(h, emb, y, w, live):
+        loss, hits, d_emb, d_h = _chunk_loop(h, live, jnp.zeros(emb.shape[::-1], jnp.float32),
+                                             lambda i: _token_major(h[i], emb, columns, y[i], w[i], cap))
+        return loss, hits, d_h, d_emb.T.astype(emb.dtype)
+
+    def cpu_vocab_major(h, emb, y, w, live):
+        return _cpu_vocab_major(h, emb, y, w, live, cap)
+    loss, hits, d_h, d_emb = kernels.narrow_by_platform(h, emb, y, w, live, cpu=cpu_vocab_major,
+                                                        plain=token_major)
+    return (loss, hits), (d_h, d_emb)
+
+
+def _chunk_loop(h, live, d_emb, chunk):
+    """Sums `chunk(i) -> (ce, hits, d_h_c [B, C, H], d_emb_c)` over the first `live` chunks ->
+    (loss, hits, d_emb + the d_emb_c, d_h [n, B, C, H]); d_emb None: no table gradient."""
     def body(i, carry):
         loss, hits, d_emb, d_h = carry
-        h_c, y_c, w_c = h[i], y[i], w[i]
-        logits, th = _chunk_logits(h_c, emb, columns, cap)
-        ce, hit, lse = _chunk_sums(logits, y_c, w_c)
-        d = jnp.exp(logits - lse[..., None])
-        d = d - jax.nn.one_hot(y_c, logits.shape[-1], dtype=d.dtype)
-        d = d * w_c[..., None]
-        if th is not None:
-            d = d * (1.0 - th * th)
-        d = d.astype(h_c.dtype)
-        # float32 out: XLA:CPU then multiplies a bfloat16 table in place, not a widened copy
-        d_h_c = jnp.einsum("BCV,VH->BCH", d, emb, preferred_element_type=jnp.float32)
-        if train_emb:
-            d_emb = d_emb + jnp.einsum("BCH,BCV->HV", h_c, d, preferred_element_type=jnp.float32)
+        ce, hit, d_h_c, d_emb_c = chunk(i)
+        d_emb = None if d_emb is None else d_emb + d_emb_c
         return loss + ce, hits + hit, d_emb, d_h.at[i].set(d_h_c.astype(d_h.dtype))
     zero = jnp.zeros((), jnp.float32)
-    init = (zero, zero, jnp.zeros(emb.shape[::-1], jnp.float32) if train_emb else None,
-            jnp.zeros_like(h))
-    loss, hits, d_emb, d_h = jax.lax.fori_loop(0, live, body, init)
-    return (loss, hits), (d_h, None if d_emb is None else d_emb.T.astype(emb.dtype))
+    return jax.lax.fori_loop(0, live, body, (zero, zero, d_emb, jnp.zeros_like(h)))
+
+
+def _token_major(h_c, emb, columns, y_c, w_c, cap, train_emb=True):
+    """One chunk's (ce, hits, float32 d_h_c [B, C, H], d_emb_c [H, V] or None), the logits
+    [B, C, V]."""
+    logits, th = _chunk_logits(h_c, emb, columns, cap)
+    ce, hit, lse = _chunk_sums(logits, y_c, w_c)
+    d = _logit_gradient(logits, lse, y_c, w_c, th).astype(h_c.dtype)
+    # float32 out: XLA:CPU then multiplies a bfloat16 table in place, not a widened copy
+    d_h_c = jnp.einsum("BCV,VH->BCH", d, emb, preferred_element_type=jnp.float32)
+    if not train_emb:
+        return ce, hit, d_h_c, None
+    return ce, hit, d_h_c, jnp.einsum("BCH,BCV->HV", h_c, d, preferred_element_type=jnp.float32)
+
+
+def _cpu_vocab_major(h, emb, y, w, live, cap):
+    """The loss and both gradients with each chunk's logits vocabulary-major, [V, B * C], for a
+    trained bfloat16 table on XLA:CPU: -> (loss, hits, d_h [n, B, C, H], d_emb [V, H]).
+
+    Token-major, the logits h @ emb^T multiply a transposed table, which XLA:CPU does in
+    float32 (at a third of the fast form's speed), and the float32 table gradient comes out
+    [H, V], converted to the [V, H] bfloat16 one by a transposing pass. Vocabulary-major every
+    product is in the fast form, [N, K] @ [K, M] with bfloat16 operands in row-major order and
+    a float32 result: emb @ h^T, d @ h (the table gradient, accumulated as [V, H]) and
+    emb^T @ d, against a copy of the table written out transposed once per step (a
+    table-sized bfloat16 buffer more while the loss runs). The real Gemma 3 270M's bfloat16
+    full fine-tune step at 8 x 128 tokens: ~5.4 -> ~4.5 s, with the reductions over the
+    vocabulary as `_chunk_sums` does them on a leading axis (an A/B, ad hoc; the bench line is
+    `BENCH real_bf16_train_full_t128`, bench/README.md).
+    """
+    columns = kernels.transposed(emb)
+
+    def chunk(i):
+        b, c, hidden = h.shape[1:]
+        flat, y_c, w_c = h[i].reshape(b * c, hidden), y[i].reshape(-1), w[i].reshape(-1)
+        # rounded to the compute dtype, as the token-major product
+        logits = jnp.dot(emb, kernels.transposed(flat), preferred_element_type=jnp.float32)
+        logits, th = _capped(logits.astype(flat.dtype).astype(jnp.float32), cap)
+        ce, hit, lse = _chunk_sums(logits, y_c, w_c, axis=0)
+        d = _logit_gradient(logits, lse, y_c, w_c, th, axis=0).astype(flat.dtype)
+        # the barrier keeps XLA from folding the transpose into the product as d^T @ columns^T,
+        # a form XLA:CPU has no bfloat16 kernel for
+        d_h_c = jax.lax.optimization_barrier(jnp.dot(columns, d, preferred_element_type=jnp.float32)).T
+        return ce, hit, d_h_c.reshape(b, c, hidden), jnp.dot(d, flat, preferred_element_type=jnp.float32)
+    loss, hits, d_emb, d_h = _chunk_loop(h, live, jnp.zeros(emb.shape, jnp.float32), chunk)
+    return loss, hits, d_h, d_emb.astype(emb.dtype)
 
 
 def _fused_ce_bwd(cap, res, g):
