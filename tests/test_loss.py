@@ -190,6 +190,18 @@ def _scattered(b=3, t=16, h=6, v=50, seed=0):
     return hidden, emb, y, jnp.asarray(w)
 
 
+def _sums_and_gradients_match(f, naive, hidden, emb):
+    """f's loss sum, hits and both gradients equal naive's; -> f's gradients."""
+    m, ref = f(hidden, emb), naive(hidden, emb)
+    np.testing.assert_allclose(float(m["loss_sum"]), float(ref["loss_sum"]), rtol=1e-5)
+    assert float(m["correct"]) == float(ref["correct"])
+    grads = jax.grad(lambda hh, e: f(hh, e)["loss_sum"], argnums=(0, 1))(hidden, emb)
+    ref_grads = jax.grad(lambda hh, e: naive(hh, e)["loss_sum"], argnums=(0, 1))(hidden, emb)
+    for a, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
+    return grads
+
+
 @pytest.mark.parametrize("chunk", [1, 3, 4, 16])
 def test_weights_with_holes_equal_naive(chunk):
     """Moving each row's weighted targets to its front changes no sum and no gradient: loss,
@@ -199,12 +211,7 @@ def test_weights_with_holes_equal_naive(chunk):
     naive = lambda hh, e: L.naive_cross_entropy(hh @ e.T, y, w)  # noqa: E731
     m, ref = f(hidden, emb), naive(hidden, emb)
     assert float(m["count"]) == float(ref["count"]) == 4.5
-    np.testing.assert_allclose(float(m["loss_sum"]), float(ref["loss_sum"]), rtol=1e-5)
-    assert float(m["correct"]) == float(ref["correct"])
-    grads = jax.grad(lambda hh, e: f(hh, e)["loss_sum"], argnums=(0, 1))(hidden, emb)
-    ref_grads = jax.grad(lambda hh, e: naive(hh, e)["loss_sum"], argnums=(0, 1))(hidden, emb)
-    for a, r in zip(grads, ref_grads):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
+    grads = _sums_and_gradients_match(f, naive, hidden, emb)
     assert not np.asarray(grads[0])[np.asarray(w) == 0].any()
 
 
@@ -244,13 +251,7 @@ def test_the_vocab_major_chunks_equal_naive(monkeypatch, chunk, cap):
     capped = lambda logits: logits if cap is None else jnp.tanh(logits / cap) * cap  # noqa: E731
     f = lambda hh, e: L.chunked_cross_entropy(hh, e, y, w, chunk_size=chunk, logit_soft_cap=cap)  # noqa: E731
     naive = lambda hh, e: L.naive_cross_entropy(capped(hh @ e.T), y, w)  # noqa: E731
-    m, ref = f(hidden, emb), naive(hidden, emb)
-    np.testing.assert_allclose(float(m["loss_sum"]), float(ref["loss_sum"]), rtol=1e-5)
-    assert float(m["correct"]) == float(ref["correct"])
-    grads = jax.grad(lambda hh, e: f(hh, e)["loss_sum"], argnums=(0, 1))(hidden, emb)
-    ref_grads = jax.grad(lambda hh, e: naive(hh, e)["loss_sum"], argnums=(0, 1))(hidden, emb)
-    for a, r in zip(grads, ref_grads):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
+    _sums_and_gradients_match(f, naive, hidden, emb)
 
 
 def test_every_product_of_a_trained_bfloat16_table_loss_is_in_the_fast_form():
