@@ -241,32 +241,44 @@ def test_only_chunks_with_a_weighted_target_are_projected(monkeypatch):
 
 # --- A trained table on CPU in bfloat16: the chunks vocabulary-major ---------------------------
 
-@pytest.mark.parametrize("chunk, cap", [(4, None), (3, 2.0), (16, None)])
-def test_the_vocab_major_chunks_equal_naive(monkeypatch, chunk, cap):
+# 48 tokens: a hidden width of 6 sums the table gradient chunk by chunk, one of 24 keeps every
+# chunk's logit gradient for one product at the end.
+TABLE_GRADIENTS = {"summed": 6, "kept": 24}
+
+
+@pytest.mark.parametrize("table_gradient", TABLE_GRADIENTS)
+@pytest.mark.parametrize("chunk, cap", [(1, None), (4, None), (3, 2.0), (16, None)])
+def test_the_vocab_major_chunks_equal_naive(monkeypatch, chunk, cap, table_gradient):
     """Forced on (in float32, where the platform choice runs the token-major loop), the
     vocabulary-major chunks give the naive loss's sums and gradients, with holes, padding
-    (16 % 3) and the soft cap."""
+    (16 % 3), the soft cap, and either way of taking the table gradient (3 chunks of one
+    position hold the weighted targets, the larger chunks one)."""
     monkeypatch.setattr(L.kernels, "narrow_by_platform", lambda *args, cpu, plain: cpu(*args))
-    hidden, emb, y, w = _scattered()
+    hidden, emb, y, w = _scattered(h=TABLE_GRADIENTS[table_gradient])
+    assert L._keeps_logit_gradients(48, hidden.shape[-1]) == (table_gradient == "kept")
     capped = lambda logits: logits if cap is None else jnp.tanh(logits / cap) * cap  # noqa: E731
     f = lambda hh, e: L.chunked_cross_entropy(hh, e, y, w, chunk_size=chunk, logit_soft_cap=cap)  # noqa: E731
     naive = lambda hh, e: L.naive_cross_entropy(capped(hh @ e.T), y, w)  # noqa: E731
     _sums_and_gradients_match(f, naive, hidden, emb)
 
 
-def test_every_product_of_a_trained_bfloat16_table_loss_is_in_the_fast_form():
+@pytest.mark.parametrize("table_gradient", TABLE_GRADIENTS)
+def test_every_product_of_a_trained_bfloat16_table_loss_is_in_the_fast_form(table_gradient):
     """Compiled for CPU, the loss with both gradients of a trained bfloat16 table multiplies
     [N, K] @ [K, M], bfloat16 in and float32 out, in all its products (token-major, the
     logits multiply a transposed table), and its gradients stay as close to float32's as the
     token-major ones."""
-    hidden, emb, y, w = _scattered(t=32, h=16, v=300)
+    hidden, emb, y, w = _scattered(h=TABLE_GRADIENTS[table_gradient], v=300)
 
     def gradients():  # a new function per compile: jit would reuse the first trace
         return lambda hidden, emb: jax.grad(
             lambda hh, e: L.chunked_cross_entropy(hh, e, y, w, chunk_size=8)["loss_sum"], argnums=(0, 1))(hidden, emb)
     narrow = (hidden.astype(jnp.bfloat16), emb.astype(jnp.bfloat16))
     fast = ("bf16", "bf16", "f32", "{1}", "{0}")
-    assert dots(jax.jit(gradients()).lower(*narrow).compile().as_text()) == [fast] * 3
+    hlo = jax.jit(gradients()).lower(*narrow).compile().as_text()
+    assert dots(hlo) == [fast] * 3
+    # the kept logit gradients (V 300 x 48 tokens) are stored as bits, not widened to float32
+    assert ("u16[300,48]" in hlo) == (table_gradient == "kept") and "f32[300,48]" not in hlo
     exact = gradients()(hidden, emb)
 
     def error(got):
