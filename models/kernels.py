@@ -248,14 +248,19 @@ def project(layer: layers.Einsum, eq: str, x):
     kernel = layer(None)
     if x.shape[1] == 1 or train_layout.intercepts(layer):
         return layer(eq, x)
-    ins, outs = train_layout.axes(eq)
 
     def cpu_projection(x, kernel):
-        flat = x.reshape(-1, math.prod(kernel.shape[i] for i in ins))
-        y = _cpu_projection(flat, kernel, tuple(ins), tuple(outs))
-        return y.reshape(*x.shape[:-len(ins)], *(kernel.shape[i] for i in outs))
+        return cpu_project(eq, x, kernel)
     return narrow_by_platform(x.astype(kernel.dtype), kernel, cpu=cpu_projection,
                               plain=functools.partial(jnp.einsum, eq))
+
+
+def cpu_project(eq: str, x, kernel):
+    """`jnp.einsum(eq, x, kernel)` as `_cpu_projection` of the flattened tokens."""
+    ins, outs = train_layout.axes(eq)
+    flat = x.reshape(-1, math.prod(kernel.shape[i] for i in ins))
+    y = _cpu_projection(flat, kernel, tuple(ins), tuple(outs))
+    return y.reshape(*x.shape[:-len(ins)], *(kernel.shape[i] for i in outs))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

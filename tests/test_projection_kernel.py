@@ -1,13 +1,15 @@
 """models/kernels.py's attention projections: `_cpu_projection` equals the einsum it replaces
 (values and gradients), multiplies bfloat16 in every product, does no kernel-gradient work for
 a frozen kernel, and is chosen only for a bfloat16 program lowered for CPU."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from fast_form import NARROW_KERNEL_CHOICES, dot_operand_types, narrow
-from models import kernels, train_layout
+from models import kernels
 from models.gemma import PRESETS, Gemma
 
 # (einsum, x's shape, the kernel's): the query/key/value projections and the output's
@@ -15,13 +17,7 @@ PROJECTIONS = [("BTH,NHD->BTND", (2, 6, 16), (4, 16, 8)), ("BTND,NDH->BTH", (2, 
 
 
 def _ours(eq):
-    ins, outs = train_layout.axes(eq)
-
-    def f(x, kernel):
-        flat = x.reshape(-1, int(np.prod([kernel.shape[i] for i in ins])))
-        y = kernels._cpu_projection(flat, kernel, tuple(ins), tuple(outs))
-        return y.reshape(*x.shape[:-len(ins)], *(kernel.shape[i] for i in outs))
-    return f
+    return functools.partial(kernels.cpu_project, eq)
 
 
 def _plain(eq):

@@ -211,15 +211,14 @@ def _fused_ce_fwd(h, emb, columns, y, w, live, cap):
     train_emb = emb.perturbed
     h, emb, y, w, live = h.value, emb.value, y.value, w.value, live.value
     columns = None if columns is None else columns.value
-    if not train_emb:
-        loss, hits, _, d_h = _chunk_loop(h, live, None, lambda i: _token_major(
-            h[i], emb, columns, y[i], w[i], cap, train_emb=False))
-        return (loss, hits), (d_h, None)
-
     def token_major(h, emb, y, w, live):
-        loss, hits, d_emb, d_h = _chunk_loop(h, live, jnp.zeros(emb.shape[::-1], jnp.float32),
-                                             lambda i: _token_major(h[i], emb, columns, y[i], w[i], cap))
-        return loss, hits, d_h, d_emb.T.astype(emb.dtype)
+        d_emb = jnp.zeros(emb.shape[::-1], jnp.float32) if train_emb else None
+        loss, hits, d_emb, d_h = _chunk_loop(h, live, d_emb, lambda i: _token_major(
+            h[i], emb, columns, y[i], w[i], cap, train_emb))
+        return loss, hits, d_h, None if d_emb is None else d_emb.T.astype(emb.dtype)
+    if not train_emb:
+        loss, hits, d_h, _ = token_major(h, emb, y, w, live)
+        return (loss, hits), (d_h, None)
 
     def cpu_vocab_major(h, emb, y, w, live):
         return _cpu_vocab_major(h, emb, y, w, live, cap)
