@@ -211,6 +211,7 @@ def _fused_ce_fwd(h, emb, columns, y, w, live, cap):
     train_emb = emb.perturbed
     h, emb, y, w, live = h.value, emb.value, y.value, w.value, live.value
     columns = None if columns is None else columns.value
+
     def token_major(h, emb, y, w, live):
         d_emb = jnp.zeros(emb.shape[::-1], jnp.float32) if train_emb else None
         loss, hits, d_emb, d_h = _chunk_loop(h, live, d_emb, lambda i: _token_major(
