@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from models import layers, train_layout
-from models.kernels import batched_product, narrow_by_platform, row_major, transposed
+from models.cpu_forms import batched_product, row_major, transposed
+from models.kernels import narrow_by_platform
 
 # The step layout (below) holds a second, transposed copy of the block kernels while a
 # generate call runs; models whose block kernels exceed this decode with their stored layout.

@@ -21,8 +21,7 @@ How the platform is chosen:
     (models/train_layout.py): a second copy of them, in the one form XLA:CPU multiplies
     bfloat16 fast, that the trainer builds when it trains on CPU (state, as the decoder's).
 
-XLA:CPU's fast bfloat16 form, which several kernels here and in decode_kernels.py need:
-`batched_product` of row-major operands (`row_major`, `transposed`) with a float32 result.
+The kernels are written in XLA:CPU's fast forms (models/cpu_forms.py).
 """
 from __future__ import annotations
 
@@ -34,6 +33,8 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from models import layers, train_layout
+from models.cpu_forms import (batched_product, bits_slice, product, row_major, row_major_t,
+                              transposed)
 
 
 def by_platform(*args, cpu, plain):
@@ -76,19 +77,6 @@ def slices(rows: int, cols: int, dtype) -> int:
     return n
 
 
-def _bits_slice(w, i, size: int, axis: int):
-    """Slice i (`size` long on `axis`) of w, inside a loop over the slices.
-
-    It is cut from w's bits: XLA:CPU has no bfloat16 dynamic-slice, and widens the whole of w
-    to float32 for one (then hoists that copy out of the loop and keeps it). The barrier makes
-    w depend on the loop index, so the bitcast is not hoisted either (that would copy all of
-    w); fused with the slice, it reads one slice.
-    """
-    w, i = jax.lax.optimization_barrier((w, i))
-    bits = jax.lax.dynamic_slice_in_dim(jax.lax.bitcast_convert_type(w, jnp.uint16), i * size, size, axis)
-    return jax.lax.bitcast_convert_type(bits, w.dtype)
-
-
 # --- Training: the tied embedding's logits ---------------------------------------------------
 
 def tied_logits(h, emb):
@@ -108,7 +96,7 @@ def _cpu_tied_logits(h, emb):
     size = v // n
 
     def body(logits, i):
-        part = jnp.dot(h, _bits_slice(emb, i, size, 0).T, preferred_element_type=jnp.float32)
+        part = jnp.dot(h, bits_slice(emb, i, size, 0).T, preferred_element_type=jnp.float32)
         part = part.astype(h.dtype).astype(jnp.float32)
         return jax.lax.dynamic_update_slice_in_dim(logits, part, i * size, 1), None
     return jax.lax.scan(body, jnp.zeros((h.shape[0], v), jnp.float32), jnp.arange(n))[0]
@@ -149,8 +137,8 @@ def _cpu_gated_ffn(x, w_gate, w_up, w_down):
 
     Narrow kernels go a slice of F at a time (`slices`), forward and backward; the slices'
     products are summed in float32. Their products are all in XLA:CPU's fast bfloat16 form
-    (`_product`, `_t`; a narrow kernel's transpose, one slice at a time, is written out too):
-    the real Gemma 3 270M's bfloat16 full fine-tune step at 8 x 128 went from ~7.6 to ~6.45
+    (models/cpu_forms.py; a narrow kernel's transpose, one slice at a time, is written out
+    too): the real Gemma 3 270M's bfloat16 full fine-tune step at 8 x 128 went from ~7.6 to ~6.45
     s, its FFN products from 1.5 to 0.6 s (an A/B and a profile, ad hoc; the bench line is
     `BENCH real_bf16_train_full_t128`, bench/README.md).
     """
@@ -159,19 +147,19 @@ def _cpu_gated_ffn(x, w_gate, w_up, w_down):
 
 def _ffn_slices(w_gate, w_up, w_down, i, n):
     f = w_down.shape[0] // n
-    return _bits_slice(w_gate, i, f, 1), _bits_slice(w_up, i, f, 1), _bits_slice(w_down, i, f, 0)
+    return bits_slice(w_gate, i, f, 1), bits_slice(w_up, i, f, 1), bits_slice(w_down, i, f, 0)
 
 
 def _ffn_forward(x, w_gate, w_up, w_down):
     """-> (out [N, H], (gate, up) [n, N, F / n]) over the kernels' n slices."""
     n = slices(*w_gate.shape, w_gate.dtype)
     if n == 1:
-        gate, up = _product(x, w_gate), _product(x, w_up)
-        return _product(layers.geglu(gate, up), w_down), (gate[None], up[None])
+        gate, up = product(x, w_gate), product(x, w_up)
+        return product(layers.geglu(gate, up), w_down), (gate[None], up[None])
 
     def body(out, i):
         wg, wu, wd = _ffn_slices(w_gate, w_up, w_down, i, n)
-        gate, up = _product(x, wg), _product(x, wu)
+        gate, up = product(x, wg), product(x, wu)
         out = out + jnp.dot(layers.geglu(gate, up), wd, preferred_element_type=jnp.float32)
         return out, (gate, up)
     out, gate_up = jax.lax.scan(body, jnp.zeros(x.shape, jnp.float32), jnp.arange(n))
@@ -193,27 +181,14 @@ def _ffn_slice_backward(x, w_gate, w_up, w_down, gate, up, d_out):
     t = jnp.tanh(a * (gate + c * gate ** 3))
     gelu = 0.5 * gate * (1 + t)
     d_gelu = 0.5 * (1 + t) + 0.5 * gate * (1 - t * t) * a * (1 + 3 * c * gate * gate)
-    d_hidden = _product(d_out, _t(w_down))
+    d_hidden = product(d_out, row_major_t(w_down))
     d_gate, d_up = d_hidden * up * d_gelu, d_hidden * gelu
-    d_x = (jnp.dot(d_gate, _t(w_gate), preferred_element_type=jnp.float32)
-           + jnp.dot(d_up, _t(w_up), preferred_element_type=jnp.float32))
+    d_x = (jnp.dot(d_gate, row_major_t(w_gate), preferred_element_type=jnp.float32)
+           + jnp.dot(d_up, row_major_t(w_up), preferred_element_type=jnp.float32))
     if x is None:
         return d_x, None
-    x_t = _t(x)
-    return d_x, (_product(x_t, d_gate), _product(x_t, d_up), _product(_t(d_out), gelu * up).T)
-
-
-def _product(a, b):
-    """a @ b in a's dtype, with a float32 result first where the operands are narrow: XLA:CPU's
-    fast bfloat16 form (see `batched_product`), given row-major operands (`_t`)."""
-    if jnp.dtype(a.dtype) == jnp.float32:
-        return a @ b
-    return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
-
-
-def _t(x):
-    """x^T, written out row-major where x is narrow (`transposed`); float32 as XLA likes it."""
-    return x.T if jnp.dtype(x.dtype) == jnp.float32 else transposed(x)
+    x_t = row_major_t(x)
+    return d_x, (product(x_t, d_gate), product(x_t, d_up), product(row_major_t(d_out), gelu * up).T)
 
 
 def _cpu_gated_ffn_bwd(residuals, d_out):
@@ -266,15 +241,15 @@ def cpu_project(eq: str, x, kernel):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _cpu_projection(x, kernel, ins, outs):
     """x [M, I] @ kernel read as an [I, O] matrix (its axes `ins`, then `outs`) -> [M, O]: the
-    forward and both backward products in XLA:CPU's fast bfloat16 form (`_product`). With
-    autodiff's einsums XLA:CPU multiplied the [N, H, D] kernels and the transposed activations
-    of the weight gradients in float32; here the kernel is written out as the matrix each
+    forward and both backward products in XLA:CPU's fast bfloat16 form (`cpu_forms.product`).
+    With autodiff's einsums XLA:CPU multiplied the [N, H, D] kernels and the transposed
+    activations of the weight gradients in float32; here the kernel is written out as the matrix each
     product needs (small next to the activations), as is x^T. The real Gemma 3 270M's
     bfloat16 full fine-tune step at 8 x 128 tokens: its q/k/v/o products ~0.72 -> ~0.23 s, the
     step ~6.0 -> ~5.4 s (a profile and an A/B, ad hoc; the bench line is `BENCH
     real_bf16_train_full_t128`, bench/README.md). With the kernel frozen, the backward is d_x
     alone."""
-    return _product(x, _matrix(kernel, ins, outs))
+    return product(x, _matrix(kernel, ins, outs))
 
 
 def _matrix(kernel, rows, cols):
@@ -294,10 +269,10 @@ def _cpu_projection_bwd(ins, outs, residuals, d_y):
     if isinstance(d_y, SymbolicZero):
         return None, None
     d_y = d_y.astype(kernel.dtype)
-    d_x = _product(d_y, _matrix(kernel, outs, ins))
+    d_x = product(d_y, _matrix(kernel, outs, ins))
     if x is None:
         return d_x, None
-    d_w = _product(_t(x), d_y).reshape(*(kernel.shape[i] for i in ins + outs))
+    d_w = product(row_major_t(x), d_y).reshape(*(kernel.shape[i] for i in ins + outs))
     order = ins + outs
     return d_x, jnp.transpose(d_w, sorted(range(len(order)), key=order.__getitem__))
 
@@ -369,31 +344,3 @@ def _attention_backward(soft_cap, residuals, d_out):
 
 
 _cpu_softmax_attention.defvjp(_attention_forward, _attention_backward)
-
-
-def batched_product(a, b):
-    """a [B, K, N, C] @ b [B, K, C, M] -> float32 [B, K, N, M]."""
-    return jax.lax.dot_general(a, b, (((3,), (2,)), ((0, 1), (0, 1))),
-                               preferred_element_type=jnp.float32)
-
-
-def transposed(x):
-    """x [..., M, N] -> [..., N, M], written out row-major.
-
-    The barrier holds it as [..., N / k, k, M] (k = gcd(N, 64)), which XLA:CPU writes with its
-    transposing copy. Flattened instead (`row_major`), the transpose fused with the reshapes
-    into a loop that ran 2.4x slower: the 270M's [262144, 640] table 282 -> 118 ms, a
-    [640, 2048] kernel 2.25 -> 0.33 ms (bfloat16, measured ad hoc).
-    """
-    *lead, m, n = x.shape
-    k = math.gcd(n, 64)
-    split = jnp.moveaxis(x.reshape(*lead, m, n // k, k), -3, -1)  # [..., N / k, k, M]
-    return jax.lax.optimization_barrier(split).reshape(*lead, n, m)
-
-
-def row_major(x):
-    """x, held in memory row-major. XLA is free to give a transposed array a transposed
-    layout rather than move its elements, and XLA:CPU multiplies an operand in any layout but
-    row-major in float32; a reshape to one row per leading index behind a barrier leaves it
-    only the row-major layout."""
-    return jax.lax.optimization_barrier(x.reshape(*x.shape[:-2], -1)).reshape(x.shape)

@@ -19,7 +19,8 @@ tests/test_kernels.py checks it against the plain step.
                      train_layout.LORA: dict(adapters)}, ...)
 
 (`jaxlm.train.loss.lm_loss_fn` does the last two, `jaxlm.train.trainer` the first.) Like the
-decoder's step layout (models/kernels.py), it is state its caller owns, passed to every step.
+decoder's step layout (models/decode_kernels.py), it is state its caller owns, passed to every
+step.
 
 The base is not merged with the LoRA factors here, so the targeted kernels keep their copies
 too: an adapted product is x @ W through the layout plus scale * (x @ A) @ B (PEFT's form;
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 from jax.custom_derivatives import SymbolicZero
 
-from models import layers
+from models import cpu_forms, layers
 
 COLLECTION = "train_layout"  # the Flax collection that holds it
 LORA = "lora"  # and the one that holds the LoRA factors, unmerged, at their modules
@@ -151,7 +152,7 @@ def products(scale: float = 1.0):
 def product(x, forward, backward):
     """x [N, I] @ forward [I, O] -> [N, O] in x's dtype, its input gradient dy @ backward
     [O, I]: both products in the fast form, no gradient for the (frozen) weights."""
-    return jnp.dot(x, forward, preferred_element_type=jnp.float32).astype(x.dtype)
+    return cpu_forms.product(x, forward)
 
 
 def _laid_fwd(x, forward, backward):
@@ -162,8 +163,7 @@ def _laid_fwd(x, forward, backward):
 def _laid_bwd(backward, dy):
     if isinstance(dy, SymbolicZero):
         return None, None, None
-    return (jnp.dot(dy.astype(backward.dtype), backward,
-                    preferred_element_type=jnp.float32).astype(dy.dtype), None, None)
+    return cpu_forms.product(dy.astype(backward.dtype), backward).astype(dy.dtype), None, None
 
 
 product.defvjp(_laid_fwd, _laid_bwd, symbolic_zeros=True)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from models import kernels, train_layout
+from models import cpu_forms, kernels, train_layout
 
 
 Metrics = dict  # {"loss_sum", "correct", "count"}: float32 scalars, summed over tokens
@@ -276,12 +276,12 @@ def _cpu_vocab_major(h, emb, y, w, live, cap):
     same 270M step at 8 x 128 and 2 x 512 tokens: ~4.7 -> ~4.35 s (an A/B, ad hoc).
     """
     n, b, c, hidden = h.shape
-    columns = kernels.transposed(emb)
+    columns = cpu_forms.transposed(emb)
 
     def chunk(i):
         flat, y_c, w_c = h[i].reshape(b * c, hidden), y[i].reshape(-1), w[i].reshape(-1)
         # rounded to the compute dtype, as the token-major product
-        logits = jnp.dot(emb, kernels.transposed(flat), preferred_element_type=jnp.float32)
+        logits = jnp.dot(emb, cpu_forms.transposed(flat), preferred_element_type=jnp.float32)
         logits, th = _capped(logits.astype(flat.dtype).astype(jnp.float32), cap)
         ce, hit, lse = _chunk_sums(logits, y_c, w_c, axis=0)
         d = _logit_gradient(logits, lse, y_c, w_c, th, axis=0).astype(flat.dtype)
@@ -295,7 +295,7 @@ def _cpu_vocab_major(h, emb, y, w, live, cap):
         # a chunk's d goes in as bits: XLA:CPU has no bfloat16 dynamic-update-slice, and would
         # widen the whole buffer to float32 and back for every chunk. The chunks past `live`
         # stay zero.
-        kept = jnp.zeros((emb.shape[0], tokens), _bits_type(emb.dtype))
+        kept = jnp.zeros((emb.shape[0], tokens), cpu_forms.bits_type(emb.dtype))
         keep = lambda kept, d, i: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
             kept, jax.lax.bitcast_convert_type(d, kept.dtype), i * b * c, 1)
         loss, hits, kept, d_h = _chunk_loop(h, live, kept, chunk, keep)
@@ -313,11 +313,6 @@ def _keeps_logit_gradients(tokens: int, hidden: int) -> bool:
     compute dtype (2 bytes), rather than sum the float32 [V, hidden] table gradient: when that
     takes no more memory. Gemma 3 270M (H 640): up to 1280 tokens a step."""
     return tokens <= 2 * hidden
-
-
-def _bits_type(dtype):
-    """The unsigned integer type as wide as `dtype`."""
-    return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
 
 
 def _fused_ce_bwd(cap, res, g):

@@ -1,0 +1,81 @@
+"""How an array or a product must be written for XLA:CPU to run it fast in a narrow dtype.
+
+XLA:CPU multiplies bfloat16 fast in one form only: row-major operands, a float32 result
+(`product`, `batched_product`). Given anything else (a transposed operand, a bfloat16 result)
+it widens the operands to float32 first, and multiplies at float32's speed. XLA is free to
+give a transposed array a transposed layout rather than move its elements, so the operands
+are written out row-major behind a barrier (`transposed`, `row_major`). It also has no
+bfloat16 dynamic slice or update, and widens the whole array for one: narrow data moves as
+same-width unsigned integers (`bits_type`, `bits_slice`).
+
+The kernels in models/kernels.py and models/decode_kernels.py and the loss
+(jaxlm/train/loss.py) are written with these; the tests there check that their compiled
+products keep the form.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def product(a, b):
+    """a @ b in a's dtype, with a float32 result first where the operands are narrow (given
+    row-major operands: `row_major_t`)."""
+    if jnp.dtype(a.dtype) == jnp.float32:
+        return a @ b
+    return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+
+
+def batched_product(a, b):
+    """a [B, K, N, C] @ b [B, K, C, M] -> float32 [B, K, N, M]."""
+    return jax.lax.dot_general(a, b, (((3,), (2,)), ((0, 1), (0, 1))),
+                               preferred_element_type=jnp.float32)
+
+
+def row_major_t(x):
+    """x [..., M, N] -> [..., N, M]: written out row-major where x is narrow (`transposed`),
+    left to XLA in float32."""
+    return jnp.swapaxes(x, -1, -2) if jnp.dtype(x.dtype) == jnp.float32 else transposed(x)
+
+
+def transposed(x):
+    """x [..., M, N] -> [..., N, M], written out row-major.
+
+    The barrier holds it as [..., N / k, k, M] (k = gcd(N, 64)), which XLA:CPU writes with its
+    transposing copy. Flattened instead (`row_major`), the transpose fused with the reshapes
+    into a loop that ran 2.4x slower: the 270M's [262144, 640] table 282 -> 118 ms, a
+    [640, 2048] kernel 2.25 -> 0.33 ms (bfloat16, measured ad hoc).
+    """
+    *lead, m, n = x.shape
+    k = math.gcd(n, 64)
+    split = jnp.moveaxis(x.reshape(*lead, m, n // k, k), -3, -1)  # [..., N / k, k, M]
+    return jax.lax.optimization_barrier(split).reshape(*lead, n, m)
+
+
+def row_major(x):
+    """x, held in memory row-major. XLA:CPU multiplies an operand in any layout but row-major
+    in float32; a reshape to one row per leading index behind a barrier leaves it only the
+    row-major layout."""
+    return jax.lax.optimization_barrier(x.reshape(*x.shape[:-2], -1)).reshape(x.shape)
+
+
+def bits_type(dtype):
+    """The unsigned integer type as wide as `dtype`, in which narrow data is sliced and
+    updated."""
+    return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
+
+
+def bits_slice(w, i, size: int, axis: int):
+    """Slice i (`size` long on `axis`) of w, inside a loop over the slices.
+
+    It is cut from w's bits, as XLA:CPU would widen the whole of w to float32 for the slice
+    (then hoist that copy out of the loop and keep it). The barrier makes w depend on the loop
+    index, so the bitcast is not hoisted either (that would copy all of w); fused with the
+    slice, it reads one slice.
+    """
+    w, i = jax.lax.optimization_barrier((w, i))
+    bits = jax.lax.bitcast_convert_type(w, bits_type(w.dtype))
+    part = jax.lax.dynamic_slice_in_dim(bits, i * size, size, axis)
+    return jax.lax.bitcast_convert_type(part, w.dtype)

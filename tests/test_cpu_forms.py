@@ -1,0 +1,51 @@
+"""models/cpu_forms.py: each form holds the same values as the plain op it stands for. (That
+the kernels written with them compile to the fast products is checked in test_kernels.py,
+test_projection_kernel.py, test_decode_kernels.py and test_loss.py.)"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fast_form import narrow
+from models import cpu_forms
+
+
+@pytest.mark.parametrize("shape", [(96, 640), (3, 40, 24), (2, 5, 7, 130)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_transposed_and_row_major_hold_the_same_values(shape, dtype):
+    """A column count that 64 divides, one it does not (k = 8), and one with k = 2."""
+    (x,) = narrow(shape)
+    x = x.astype(dtype)
+    np.testing.assert_array_equal(jax.jit(cpu_forms.transposed)(x), jnp.swapaxes(x, -1, -2))
+    np.testing.assert_array_equal(jax.jit(cpu_forms.row_major_t)(x), jnp.swapaxes(x, -1, -2))
+    np.testing.assert_array_equal(jax.jit(cpu_forms.row_major)(x), x)
+
+
+def test_products_multiply_in_the_first_operands_dtype():
+    a, b = narrow((8, 16), (16, 4))
+    assert cpu_forms.product(a, b).dtype == jnp.bfloat16
+    np.testing.assert_allclose(cpu_forms.product(a, b).astype(jnp.float32),
+                               a.astype(jnp.float32) @ b.astype(jnp.float32), rtol=1e-2, atol=1e-2)
+    a4, b4 = narrow((2, 3, 8, 16), (2, 3, 16, 4))
+    out = cpu_forms.batched_product(a4, b4)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, jnp.einsum("bknc,bkcm->bknm", a4, b4,
+                                               preferred_element_type=jnp.float32), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,bits", [(jnp.bfloat16, "uint16"), (jnp.float32, "uint32"),
+                                        (jnp.int8, "uint8")])
+def test_bits_type_is_as_wide_as_the_dtype(dtype, bits):
+    assert cpu_forms.bits_type(dtype) == jnp.dtype(bits)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_bits_slice_cuts_slice_i_in_a_loop(axis):
+    (w,) = narrow((12, 20))
+    size = w.shape[axis] // 4
+
+    def cut(_, i):
+        return None, cpu_forms.bits_slice(w, i, size, axis)
+    parts = jax.lax.scan(cut, None, jnp.arange(4))[1]
+    np.testing.assert_array_equal(jnp.concatenate(list(parts), axis=axis), w)
+    assert parts.dtype == jnp.bfloat16
