@@ -44,7 +44,7 @@ def matmul_peak(sizes=(1024, 2048, 4096), repeats: int = 5, dtype=jnp.float32) -
     """Best FLOP/s of jitted [n, n] @ [n, n] over `sizes` on the default device. Several sizes,
     because the fastest differs by machine: on the 2-core CPU n = 1024-2048 runs ~15% faster
     than 4096 (which alone would flatter every fraction of peak). A float32 result: XLA:CPU's
-    fast bfloat16 form (see models/kernels.py)."""
+    fast bfloat16 form (see models/cpu_forms.py)."""
     f = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
     best = 0.0
     for n in sizes:

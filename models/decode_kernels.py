@@ -1,12 +1,13 @@
 """XLA:CPU's own kernels for decoding, and the context that swaps them in.
 
-models/kernels.py says how a kernel is chosen by platform and holds the training kernels and
-the fast-form helpers; the decoder's are here. `jaxlm.decode` knows the devices it compiles
-for and traces its model calls inside `decode_steps(platform)`, which on CPU swaps the decode
-step's products for the kernels below (a Flax method interceptor: the layers keep their plain
-`__call__`) and elsewhere changes nothing. Some of them multiply the block kernels in another
-layout, the step layout, built once before the decode loop: state the decoder owns. The
-model's attention over its KV cache (`cached_attention`) goes through
+models/kernels.py says how a kernel is chosen by platform and holds the training kernels,
+models/cpu_forms.py the fast forms all of them are written in; the decoder's are here.
+`jaxlm.decode` knows the devices it compiles for and traces its model calls inside
+`decode_steps(platform)`, which on CPU swaps the decode step's products for the kernels below
+(a Flax method interceptor: the layers keep their plain `__call__`) and elsewhere changes
+nothing. Some of them multiply the block kernels in another layout, the step layout, built
+once before the decode loop: state the decoder owns. The model's attention over its KV cache
+(`cached_attention`) goes through
 `kernels.narrow_by_platform`.
 """
 from __future__ import annotations
@@ -111,7 +112,7 @@ def matmul_rows(rows, x):
     XLA from folding the output transpose back into the dot (which would undo the layout).
 
     Narrow rows need x^T written out row-major and a float32 result, XLA:CPU's one fast
-    bfloat16 form (models/kernels.py), and at least two columns (one row is
+    bfloat16 form (models/cpu_forms.py), and at least two columns (one row is
     multiplied twice: a matrix-vector product is not that form). The real Gemma 3 270M's
     bfloat16 tied table took 170 ms at batch 4 and 150 ms at batch 1 that way round, 13 and 12
     ms this way (float32: 36 and 22 ms)."""
@@ -140,7 +141,7 @@ def _cpu_cache_core(q, k, v, m, soft_cap):
     """`layers.softmax_attention` (forward) with the cache multiplied as it lies: logits^T =
     k @ q^T [B, K, S, R] and out = probs @ v, so only q and the probabilities, R rows each,
     are written transposed, and both products take bfloat16 operands and return float32
-    (XLA:CPU's fast form, models/kernels.py). The plain core's q @ k^T widens the
+    (XLA:CPU's fast form, models/cpu_forms.py). The plain core's q @ k^T widens the
     whole cache to float32 in every layer of every step: on the real Gemma 3 270M at batch 4
     that conversion and the float32 products took ~210 us of a ~1 ms layer step (a profile;
     `BENCH real_bf16_decode_b4`, bench/README.md)."""
