@@ -6,7 +6,7 @@ it widens the operands to float32 first, and multiplies at float32's speed. XLA 
 give a transposed array a transposed layout rather than move its elements, so the operands
 are written out row-major behind a barrier (`transposed`, `row_major`). It also has no
 bfloat16 dynamic slice or update, and widens the whole array for one: narrow data moves as
-same-width unsigned integers (`bits_type`, `bits_slice`).
+same-width unsigned integers (`bits_type`, `bits_slice`, `bits_take`).
 
 The kernels in models/kernels.py and models/decode_kernels.py and the loss
 (jaxlm/train/loss.py) are written with these; the tests there check that their compiled
@@ -18,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def product(a, b):
@@ -79,3 +80,16 @@ def bits_slice(w, i, size: int, axis: int):
     bits = jax.lax.bitcast_convert_type(w, bits_type(w.dtype))
     part = jax.lax.dynamic_slice_in_dim(bits, i * size, size, axis)
     return jax.lax.bitcast_convert_type(part, w.dtype)
+
+
+def bits_take(table, ids):
+    """table [V, ...][ids] -> [*ids.shape, ...], gathered as bits: XLA:CPU would widen the
+    whole narrow table to float32 for the gather. The barrier makes the table depend on the
+    ids, so inside a loop neither that copy nor the bitcast is hoisted out of it (and kept);
+    fused with the gather, the bitcast reads the rows gathered. An id outside [0, V) gives
+    NaN, as `jnp.take`."""
+    table, ids = jax.lax.optimization_barrier((table, ids))
+    bits = jax.lax.bitcast_convert_type(table, bits_type(table.dtype))
+    nan = int(np.array(np.nan, table.dtype).view(bits.dtype))
+    rows = jnp.take(bits, ids, axis=0, mode="fill", fill_value=nan)
+    return jax.lax.bitcast_convert_type(rows, table.dtype)

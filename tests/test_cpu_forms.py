@@ -49,3 +49,12 @@ def test_bits_slice_cuts_slice_i_in_a_loop(axis):
     parts = jax.lax.scan(cut, None, jnp.arange(4))[1]
     np.testing.assert_array_equal(jnp.concatenate(list(parts), axis=axis), w)
     assert parts.dtype == jnp.bfloat16
+
+
+def test_bits_take_gathers_as_jnp_take():
+    """Rows, a negative id counted from the end, and NaN rows for ids outside the table."""
+    (table,) = narrow((10, 4))
+    ids = jnp.asarray([[0, 9, -1], [3, 10, -11]])
+    got = jax.jit(cpu_forms.bits_take)(table, ids)
+    assert got.dtype == jnp.bfloat16 and np.isnan(np.float32(got[1, 1:])).all()
+    np.testing.assert_array_equal(got, jnp.take(table, ids, axis=0))

@@ -1,5 +1,7 @@
 """models/decode_kernels.py: each decoding kernel equals the plain math it replaces, and each
 is chosen by the platform: the CPU one only for CPU, the plain math for TPU and GPU."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,15 +137,63 @@ def test_the_cache_attention_kernel_is_chosen_by_platform_and_dtype(platform, dt
 
 
 @pytest.mark.parametrize("b", [1, 4])
-def test_bfloat16_decode_products_multiply_bfloat16_and_equal_the_einsum(b):
-    """A narrow rows @ x^T (the step layout's and the tied logits' product) equals x @ rows^T
-    to bfloat16 rounding, and compiled, its one dot takes bfloat16 operands, also for one row
-    (a matrix-vector dot would not)."""
-    rows, x = narrow((96, 40), (b, 40))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_products_equal_the_einsum(b, dtype):
+    """rows @ x^T (the step layout's and the tied logits' product) equals x @ rows^T, to
+    bfloat16 rounding where narrow."""
+    rows, x = (a.astype(dtype) for a in narrow((96, 40), (b, 40)))
     got = jax.jit(decode_kernels.matmul_rows)(rows, x)
     want = np.float32(x) @ np.float32(rows).T
-    assert got.shape == (b, 96) and got.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.float32(got), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
-    assert set(dot_operand_types(jax.jit(decode_kernels.matmul_rows).lower(rows, x).compile().as_text())) == {"bf16"}
+    assert got.shape == (b, 96) and got.dtype == dtype
+    tol = 1e-2 if dtype == "bfloat16" else 1e-6
+    np.testing.assert_allclose(np.float32(got), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_bfloat16_decode_products_multiply_the_rows_in_place():
+    """Compiled, a narrow product with several rows of x is one dot of bfloat16 operands
+    (XLA:CPU's fast form; the plain product widens), and with one row a loop that reads the
+    bfloat16 rows in place: no float32 copy of them in either."""
+    for b in (1, 4):
+        rows, x = narrow((96, 40), (b, 40))
+        hlo = jax.jit(decode_kernels.matmul_rows).lower(rows, x).compile().as_text()
+        entry = hlo.split("ENTRY")[1]
+        assert "f32[96,40]" not in entry
+        if b == 1:
+            assert any("_dot_fusion" in line and "fusion(%rows" in line and "kind=kLoop" in line
+                       for line in entry.splitlines())
+        else:
+            assert set(dot_operand_types(hlo)) == {"bf16"}
     wide = dot_operand_types(jax.jit(lambda r, x: r @ x.T).lower(rows, x).compile().as_text())
     assert "f32" in wide  # what the plain product compiles to
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_bfloat16_decode_loop_holds_no_float32_copy_of_the_table(batch):
+    """The compiled generate program of a bfloat16 Gemma on CPU reads its tied table in place,
+    for the lookup (as bits) and for the logits: XLA:CPU otherwise widened the whole table
+    to float32 once a call and kept it for the loop (the 270M: 671 MB and ~160 ms a call)."""
+    from jaxlm import decode, sampling
+    cfg = TINY.replace(vocab_size=1024, dtype="bfloat16")
+    model = Gemma(cfg)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))["params"]
+    fn = decode._compiled(model, sampling.resolve("greedy"), batch, 8, 16, False, None)
+    args = (np.zeros((batch, 8), np.int32), np.full((batch,), 4, np.int32), np.int32(16), np.int32(0),
+            np.full((decode._STOP_SLOTS,), -1, np.int32))
+    hlo = fn.lower(params, *args).compile().as_text()
+    table = f"[{cfg.vocab_size},{cfg.hidden_dim}]"
+    arrays = [line.split(" = ", 1)[1].split("{", 1)[0] for line in _unfused(hlo) if " = " in line]
+    assert f"bf16{table}" in arrays and f"f32{table}" not in arrays
+
+
+def _unfused(hlo: str) -> list[str]:
+    """The instructions of compiled HLO text outside fusions: the arrays the program writes
+    out (a fusion's own instructions are computed element by element as it runs)."""
+    fused = set(re.findall(r"kind=k\w+, calls=(%[\w.-]+)", hlo))
+    out, keep = [], True
+    for line in hlo.splitlines():
+        head = re.match(r"(ENTRY )?(%[\w.-]+) ", line)
+        if head:
+            keep = head.group(2) not in fused
+        elif keep:
+            out.append(line)
+    return out
