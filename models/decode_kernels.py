@@ -47,7 +47,10 @@ def decode_steps(platform: str):
         the [N, H, D] kernels in place instead of re-transposing them to [H, N*D] on every
         step of the loop (~6-9% of a decode step);
       * the tied embedding's logits are rows @ x^T as well (the table is already [V, H]),
-        ~1.5x faster than [B, H] @ [H, V] at batch 4.
+        ~1.5x faster than [B, H] @ [H, V] at batch 4;
+      * a narrow table's lookup gathers its rows as bits (`cpu_forms.bits_take`): XLA:CPU
+        widened the whole table to float32 for it, once per call, and kept it (the 270M:
+        671 MB, ~160-200 ms a call).
     Together with a vectorised argmax and one dot for the attention output these took the
     bench config's decode step from 12.9 to ~8.4 ms: `python bench/generate.py`'s `BENCH
     decode_step_vs_weight_read` line (`jaxlm=` ms per step) and `BENCH generate_b4` (new
@@ -80,10 +83,11 @@ def _cpu_decode_step(next_fun, args, kwargs, context):
                 return _step_product(module, next_fun(None), eq, x)
             if eq == _PER_HEAD:
                 return _per_head(next_fun(None), x)
-    if isinstance(module, layers.Embedding) and context.method_name == "__call__" and not module.is_initializing():
-        if jnp.dtype(module.embeddings.dtype).itemsize < 4:
-            ids = args[0] if args else kwargs["ids"]
-            return bits_take(module.embeddings, ids).astype(module.dtype)
+    lookup = (isinstance(module, layers.Embedding) and context.method_name == "__call__"
+              and not module.is_initializing())
+    if lookup and jnp.dtype(module.embeddings.dtype).itemsize < 4:
+        ids = args[0] if args else kwargs["ids"]
+        return bits_take(module.embeddings, ids).astype(module.dtype)
     if isinstance(module, layers.Embedding) and context.method_name == "attend":
         x = args[0] if args else kwargs["x"]
         if x.shape[1] == 1:
@@ -115,9 +119,12 @@ def matmul_rows(rows, x):
 
     One row (B = 1) is a vector-matrix product, x[0] @ rows^T with a float32 result, which
     XLA:CPU writes as one loop that reads each row of `rows` once and multiplies it in place,
-    in either dtype: as fast as the table can be read. The real Gemma 3 270M's bfloat16 tied
-    table [262144, 640]: 32.1 -> 12.5 ms, an FFN kernel [640, 2048] 0.37 -> 0.07 ms (float32:
-    26.8 -> 22.1 ms, and equal on the block kernels); a 2-core AMD EPYC, measured ad hoc.
+    in either dtype: as fast as the table can be read. The barrier ties the rows to x, which
+    changes every step, so XLA does not hoist the conversion of the whole of `rows` out of the
+    decode loop (and keep it) but converts each row as it reads it. The real Gemma 3 270M's
+    bfloat16 tied table [262144, 640]: 32.1 -> 12.5 ms, an FFN kernel [640, 2048] 0.37 -> 0.07
+    ms (float32: 26.8 -> 22.1 ms, and equal on the block kernels); a 2-core AMD EPYC, measured
+    ad hoc.
 
     Several rows are computed as rows @ x^T; the barrier stops XLA from folding the output
     transpose back into the dot (which would undo the layout). Narrow rows need x^T written
