@@ -243,8 +243,8 @@ def _cpu_projection(x, kernel, ins, outs):
     """x [M, I] @ kernel read as an [I, O] matrix (its axes `ins`, then `outs`) -> [M, O]: the
     forward and both backward products in XLA:CPU's fast bfloat16 form (`cpu_forms.product`).
     With autodiff's einsums XLA:CPU multiplied the [N, H, D] kernels and the transposed
-    activations of the weight gradients in float32; here the kernel is written out as the matrix each
-    product needs (small next to the activations), as is x^T. The real Gemma 3 270M's
+    activations of the weight gradients in float32; here the kernel is written out as the
+    matrix each product needs (small next to the activations), as is x^T. The real Gemma 3 270M's
     bfloat16 full fine-tune step at 8 x 128 tokens: its q/k/v/o products ~0.72 -> ~0.23 s, the
     step ~6.0 -> ~5.4 s (a profile and an A/B, ad hoc; the bench line is `BENCH
     real_bf16_train_full_t128`, bench/README.md). With the kernel frozen, the backward is d_x

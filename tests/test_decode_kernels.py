@@ -156,11 +156,10 @@ def test_bfloat16_decode_products_multiply_the_rows_in_place():
     for b in (1, 4):
         rows, x = narrow((96, 40), (b, 40))
         hlo = jax.jit(decode_kernels.matmul_rows).lower(rows, x).compile().as_text()
-        entry = hlo.split("ENTRY")[1]
-        assert "f32[96,40]" not in entry
+        assert "f32[96,40]" not in _written(hlo)
         if b == 1:
             assert any("_dot_fusion" in line and "fusion(%rows" in line and "kind=kLoop" in line
-                       for line in entry.splitlines())
+                       for line in hlo.split("ENTRY")[1].splitlines())
         else:
             assert set(dot_operand_types(hlo)) == {"bf16"}
     wide = dot_operand_types(jax.jit(lambda r, x: r @ x.T).lower(rows, x).compile().as_text())
@@ -181,19 +180,19 @@ def test_a_bfloat16_decode_loop_holds_no_float32_copy_of_the_table(batch):
             np.full((decode._STOP_SLOTS,), -1, np.int32))
     hlo = fn.lower(params, *args).compile().as_text()
     table = f"[{cfg.vocab_size},{cfg.hidden_dim}]"
-    arrays = [line.split(" = ", 1)[1].split("{", 1)[0] for line in _unfused(hlo) if " = " in line]
+    arrays = _written(hlo)
     assert f"bf16{table}" in arrays and f"f32{table}" not in arrays
 
 
-def _unfused(hlo: str) -> list[str]:
-    """The instructions of compiled HLO text outside fusions: the arrays the program writes
-    out (a fusion's own instructions are computed element by element as it runs)."""
+def _written(hlo: str) -> list[str]:
+    """The types (as "f32[96,40]") of the arrays compiled HLO text writes out: its instructions
+    outside fusions (a fusion's own instructions are computed element by element as it runs)."""
     fused = set(re.findall(r"kind=k\w+, calls=(%[\w.-]+)", hlo))
     out, keep = [], True
     for line in hlo.splitlines():
         head = re.match(r"(ENTRY )?(%[\w.-]+) ", line)
         if head:
             keep = head.group(2) not in fused
-        elif keep:
-            out.append(line)
+        elif keep and " = " in line:
+            out.append(line.split(" = ", 1)[1].split("{", 1)[0])
     return out
