@@ -144,27 +144,20 @@ class Attention(nn.Module):
         key = layers.rope(key, rope)
         q = q * jnp.asarray(1.0 / math.sqrt(cfg.query_pre_attn_scalar or d), q.dtype)
 
-        if cache is not None:
-            key = jax.lax.dynamic_update_slice_in_dim(cache["k"], key.astype(cache["k"].dtype),
-                                                      cache_index, axis=1)
-            value = jax.lax.dynamic_update_slice_in_dim(cache["v"], value.astype(cache["v"].dtype),
-                                                        cache_index, axis=1)
-            cache = {"k": key, "v": value}
-
         # Without a cache, query t sits at position t and sees keys <= t only (and, in a
         # sliding-window layer, keys > t - window only).
         window = cfg.sliding_window_size if self.local else None
-        if cache is None and cfg.attention == "cudnn":  # mask: None, or packed examples apart
+        if cache is not None:  # the new keys/values go in at cache_index; attend over all S
+            out, cache = decode_kernels.cached_attention(q, key, value, cache, cache_index, mask,
+                                                         cfg.attention_logit_soft_cap)
+        elif cfg.attention == "cudnn":  # mask: None, or packed examples apart
             out = layers.fused_causal_attention(q, key, value, window, mask)
         else:
             # Training under a table that splits no heads: each device takes its share of rows.
             rows = ("attention_batch", None, None, None)
             q, key, value = (layers.constrain(a, rows) for a in (q, key, value))
             mask = layers.constrain(mask, rows[:3])
-            if cache is None:
-                out = kernels.causal_attention(q, key, value, mask, cfg.attention_logit_soft_cap, window)
-            else:
-                out = decode_kernels.cached_attention(q, key, value, mask, cfg.attention_logit_soft_cap)
+            out = kernels.causal_attention(q, key, value, mask, cfg.attention_logit_soft_cap, window)
             out = layers.constrain(out, rows)
         out_proj = layers.Einsum((n, d, h), dtype, name="attention_output")
         out = kernels.project(out_proj, "BTND,NDH->BTH", out)
