@@ -6,8 +6,8 @@ models/cpu_forms.py the fast forms all of them are written in; the decoder's are
 `decode_steps(platform)`, which on CPU swaps the decode step's products for the kernels below
 (a Flax method interceptor: the layers keep their plain `__call__`) and elsewhere changes
 nothing. Some of them multiply the block kernels in another layout, the step layout, built
-once before the decode loop: state the decoder owns. The model's attention over its KV cache
-(`cached_attention`) goes through `kernels.narrow_by_platform`.
+once before the decode loop: state the decoder owns. The model's attention over its KV cache,
+with the cache's update (`cached_attention`), is chosen by `kernels.by_platform`.
 """
 from __future__ import annotations
 
