@@ -183,8 +183,7 @@ def _cpu_step_attention(q, k, v, cache, index, mask, soft_cap):
     barrier does not order it. A row whose output is not finite gets NaN in its own new
     slot only. The real Gemma 3 270M, float32, batch 4, 64 new tokens: the copies took ~6
     ms of a ~58 ms step; greedy generation 3716 -> 3541 ms (best of 10, interleaved, ad hoc;
-    median 3918 -> 3703).
-    In bfloat16 the cache core's own layout already avoids them.
+    median 3918 -> 3703). bfloat16 keeps `_cpu_cache_core`, whose program had no such copies.
     """
     b, _, n, d = q.shape
     s, kv = cache["k"].shape[1], cache["k"].shape[2]
