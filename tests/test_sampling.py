@@ -42,11 +42,21 @@ def test_greedy_is_argmax():
     assert sampling.Greedy()(LOGITS, None).tolist() == [1, 0]
 
 
-def test_argmax_matches_jnp_argmax_including_ties():
+def test_greedy_is_the_first_argmax_of_the_probabilities_including_their_ties():
+    """Ties among the logits, ties the softmax makes (exp(-1e-9) rounds to exp(0)), rows of
+    -inf, +inf and NaN, and a temperature: the first index of the largest probability."""
     x = jax.random.randint(jax.random.key(0), (64, 300), 0, 7).astype(jnp.float32)  # many ties
-    x = x.at[3].set(-jnp.inf).at[5, 10].set(jnp.inf)
-    np.testing.assert_array_equal(jax.jit(sampling.argmax)(x), jnp.argmax(x, axis=-1))
-    assert sampling.argmax(x).dtype == jnp.int32
+    x = x.at[3].set(-jnp.inf).at[5, 10].set(jnp.inf).at[6, 20].set(jnp.nan)
+    x = x.at[7].set(-1.0).at[7, 40].set(-1e-9).at[7, 50].set(0.0)  # 40 and 50: probability 1/(2 + ...)
+    for temperature in (1.0, 0.7):
+        probs = jax.nn.softmax(x / temperature, axis=-1)
+        # a row whose probabilities are NaN (-inf, +inf or NaN logits here) gives its last index
+        want = jnp.where(jnp.isnan(probs).any(-1), 299, jnp.argmax(probs, axis=-1))
+        got = jax.jit(sampling.Greedy(temperature))(x, None)
+        np.testing.assert_array_equal(got, want)
+        assert got[7] == 40
+        assert got.dtype == jnp.int32
+    assert jnp.argmax(x[7]) == 50  # the logits' own argmax would differ
 
 
 def test_random_follows_the_softmax_and_is_seeded():
