@@ -41,7 +41,7 @@ def _most_probable(logits, temperature):
 
     exp(0) = 1 exactly and a division by the row's sum s rounds monotonically, so the largest
     probability is 1 / s, and index i reaches it iff exp(x_i - max) / s rounds to 1 / s: the
-    same ties as the probabilities' (logits -1e-9 and 0 both have probability 1/2), broken
+X
     the same way.
     """
     x = logits.astype(jnp.float32) / temperature
