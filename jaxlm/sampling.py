@@ -34,15 +34,15 @@ class Greedy:
 def _most_probable(logits, temperature):
     """logits [B, V] -> argmax(_probabilities(logits, temperature)) [B] int32, in three
     reductions over [B, V] where the softmax, then a max and a min over its output, took
-    five; compiled for CPU it writes two fewer [B, V] arrays (the probabilities). The real Gemma 3 270M's 262144 logits on a
-    2-core AMD EPYC, as the CPU decoder gives them: batch 4 1.65 -> 1.2 ms, batch 40 (the
-    demo's evaluation) 96 -> 56 ms a step; greedy generation at batch 40, 32 new tokens,
-    9177 -> 8426 ms (float32, best of 4, interleaved, ad hoc).
+    five; compiled for CPU it writes two fewer [B, V] arrays (the probabilities). The real
+    Gemma 3 270M's 262144 logits on a 2-core AMD EPYC, as the CPU decoder gives them: batch 4
+    1.65 -> 1.2 ms, batch 40 (the demo's evaluation) 96 -> 56 ms a step; greedy generation at
+    batch 40, 32 new tokens, 9177 -> 8426 ms (float32, best of 4, interleaved, ad hoc).
 
     exp(0) = 1 exactly and a division by the row's sum s rounds monotonically, so the largest
     probability is 1 / s, and index i reaches it iff exp(x_i - max) / s rounds to 1 / s: the
-X
-    the same way.
+    same ties as the probabilities' (in a row of two, logits -1e-9 and 0 both have probability
+    1/2), broken the same way.
     """
     x = logits.astype(jnp.float32) / temperature
     shifted = x - jnp.max(x, axis=-1, keepdims=True)
