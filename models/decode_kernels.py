@@ -193,11 +193,9 @@ def _cpu_step_attention(q, k, v, cache, index, mask, soft_cap):
     batch = ((0, 1), (0, 1))
     logits = jnp.concatenate(  # [B, K, G, S + 1]: the old slots, then the new key
         [jax.lax.dot_general(q, heads(x), (((3,), (3,)), batch)) for x in (cache["k"], k)], -1)
-    if soft_cap is not None:
-        logits = jnp.tanh(logits / soft_cap) * soft_cap
     old = mask[:, 0] & (jnp.arange(s) != index)  # [B, S]
     m = jnp.concatenate([old, jax.lax.dynamic_slice_in_dim(mask[:, 0], index, 1, axis=1)], -1)
-    probs = jax.nn.softmax(jnp.where(m[:, None, None], logits, -1e9), axis=-1)
+    probs = layers.masked_softmax(logits, m[:, None, None], soft_cap)
     out = sum(jax.lax.dot_general(p, heads(x), (((3,), (2,)), batch))  # [B, K, G, D]
               for p, x in ((probs[..., :s], cache["v"]), (probs[..., s:], v)))
     out = jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out.reshape(b, 1, n, d), 0)
@@ -221,7 +219,5 @@ def _cpu_cache_core(q, k, v, m, soft_cap):
     if k.shape[1] > 1:  # [B, S, K, D] read as [B, K, S, D] is then a transpose: write it out
         k, v = row_major(k), row_major(v)
     logits = batched_product(k, transposed(q))  # [B, K, S, R]
-    if soft_cap is not None:
-        logits = jnp.tanh(logits / soft_cap) * soft_cap
-    probs = jax.nn.softmax(jnp.where(jnp.swapaxes(m, -1, -2), logits, -1e9), axis=-2)
+    probs = layers.masked_softmax(logits, jnp.swapaxes(m, -1, -2), soft_cap, axis=-2)
     return batched_product(transposed(probs.astype(q.dtype)), v).astype(q.dtype)

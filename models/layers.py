@@ -232,7 +232,14 @@ def softmax_attention(q, k, v, m, soft_cap):
     0 wherever a row sees any key (exp(-1e9 - max) = 0)."""
     batch = ((0, 1), (0, 1))
     logits = jax.lax.dot_general(q, k, (((3,), (3,)), batch)).astype(jnp.float32)  # [B, K, R, S]
+    probs = masked_softmax(logits, m, soft_cap).astype(q.dtype)
+    return jax.lax.dot_general(probs, v, (((3,), (2,)), batch))
+
+
+def masked_softmax(logits, m, soft_cap: float | None, axis: int = -1):
+    """Attention probabilities over `axis` from float32 logits: soft-capped (tanh(x / cap) *
+    cap) where `soft_cap` is given, a key where m is False at -1e9, so its probability is
+    exactly 0 wherever a row sees any key (exp(-1e9 - max) = 0)."""
     if soft_cap is not None:
         logits = jnp.tanh(logits / soft_cap) * soft_cap
-    probs = jax.nn.softmax(jnp.where(m, logits, -1e9), axis=-1).astype(q.dtype)
-    return jax.lax.dot_general(probs, v, (((3,), (2,)), batch))
+    return jax.nn.softmax(jnp.where(m, logits, -1e9), axis=axis)
