@@ -271,7 +271,7 @@ class Gemma(nn.Module):
                     new_cache[f"decoder_block_{i}"] = layer_cache
         # what the loss projects onto the vocabulary, split as a table may ask (`sharding.rules`)
         x = layers.constrain(self.final_normalization(x), ("batch", None, "hidden"))
-        out = x if return_hidden else soft_cap(self.token_embedding.attend(x), cfg.final_logit_soft_cap)
+        out = x if return_hidden else layers.soft_cap(self.token_embedding.attend(x), cfg.final_logit_soft_cap)
         return out if cache is None else (out, new_cache)
 
 
@@ -309,11 +309,6 @@ class Gemma(nn.Module):
         for i in range(n, cfg.num_layers):
             x, _ = self.blocks[i](x, *inputs[self.blocks[i].local], None, None)
         return x
-
-
-def soft_cap(logits, cap: float | None):
-    """tanh(logits / cap) * cap (Gemma 2's final-logit cap); identity when cap is None."""
-    return logits if cap is None else jnp.tanh(logits / cap) * cap
 
 
 def cache_size(cache: Cache) -> int:

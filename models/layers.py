@@ -236,10 +236,13 @@ def softmax_attention(q, k, v, m, soft_cap):
     return jax.lax.dot_general(probs, v, (((3,), (2,)), batch))
 
 
-def masked_softmax(logits, m, soft_cap: float | None, axis: int = -1):
-    """Attention probabilities over `axis` from float32 logits: soft-capped (tanh(x / cap) *
-    cap) where `soft_cap` is given, a key where m is False at -1e9, so its probability is
-    exactly 0 wherever a row sees any key (exp(-1e9 - max) = 0)."""
-    if soft_cap is not None:
-        logits = jnp.tanh(logits / soft_cap) * soft_cap
-    return jax.nn.softmax(jnp.where(m, logits, -1e9), axis=axis)
+def soft_cap(logits, cap: float | None):
+    """tanh(logits / cap) * cap (Gemma 2's logit caps); identity when cap is None."""
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
+
+
+def masked_softmax(logits, m, cap: float | None, axis: int = -1):
+    """Attention probabilities over `axis` from float32 logits: soft-capped where `cap` is
+    given, a key where m is False at -1e9, so its probability is exactly 0 wherever a row sees
+    any key (exp(-1e9 - max) = 0)."""
+    return jax.nn.softmax(jnp.where(m, soft_cap(logits, cap), -1e9), axis=axis)
