@@ -186,7 +186,7 @@ def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming
     kv_spec = None
     platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
     block_bytes = (cfg.num_params - cfg.vocab_size * cfg.hidden_dim) * jnp.dtype(cfg.dtype).itemsize
-    step_layout = decode_kernels.step_layout_pays(platform, block_bytes, batch)
+    step_layout = decode_kernels.step_layout_pays(platform, block_bytes, batch, cfg.dtype)
     if mesh is not None:
         heads = "model" if cfg.num_kv_heads % mesh.shape["model"] == 0 else None
         kv_spec = NamedSharding(mesh, P("batch", None, heads, None))

@@ -87,6 +87,45 @@ def test_the_step_layout_is_built_for_small_models_and_batches_on_cpu_only():
     assert not decode_kernels.step_layout_pays("cpu", most + 1, 4)
     assert not decode_kernels.step_layout_pays("cpu", 1, rows + 1)  # the demo's 40-prompt evaluation
     assert not decode_kernels.step_layout_pays("tpu", 1, 4) and not decode_kernels.step_layout_pays("gpu", 1, 4)
+    # narrow kernels: one row only (several multiply as stored)
+    assert decode_kernels.step_layout_pays("cpu", 1, 1, "bfloat16")
+    assert not decode_kernels.step_layout_pays("cpu", 1, 2, "bfloat16")
+
+
+@pytest.mark.parametrize("eq, kernel, x", [
+    ("BTND,NDH->BTH", (4, 3, 8), (2, 1, 4, 3)),   # attention output
+    ("BTH,HF->BTF", (8, 12), (2, 1, 8)),          # FFN
+])
+def test_narrow_kernels_without_the_layout_multiply_as_stored(eq, kernel, x):
+    """Without a step layout a narrow single-token product is x @ kernel as stored: equal to
+    the einsum to bfloat16 rounding, and one dot of bfloat16 operands (the plain einsum
+    widens both)."""
+    layer = layers.Einsum(kernel, jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), x).astype(jnp.bfloat16)
+    params = layer.init(jax.random.key(0), eq, x)
+    want = jnp.einsum(eq, np.float32(x), np.float32(params["params"]["kernel"]))
+    with decode_kernels.decode_steps("cpu"):
+        got = layer.apply(params, eq, x)
+        hlo = jax.jit(lambda p, x: layer.apply(p, eq, x)).lower(params, x).compile().as_text()
+    assert got.shape == want.shape and got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.float32(got), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    assert set(dot_operand_types(hlo)) == {"bf16"}
+    plain = jax.jit(lambda p, x: layer.apply(p, eq, x)).lower(params, x).compile().as_text()
+    assert "f32" in dot_operand_types(plain)
+
+
+@pytest.mark.parametrize("batch", [4, 32])
+def test_a_bfloat16_decode_loop_multiplies_only_in_the_fast_form(batch):
+    """Every product of a bfloat16 generate program on CPU takes bfloat16 operands, at 4 rows
+    (as stored, no step layout) and beyond the step layout's rows: none widens its weights."""
+    from jaxlm import decode, sampling
+    cfg = TINY.replace(vocab_size=1024, dtype="bfloat16")
+    model = Gemma(cfg)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))["params"]
+    fn = decode._compiled(model, sampling.resolve("greedy"), batch, 8, 16, False, None)
+    args = (np.zeros((batch, 8), np.int32), np.full((batch,), 4, np.int32), np.int32(16), np.int32(0),
+            np.full((decode._STOP_SLOTS,), -1, np.int32))
+    assert set(dot_operand_types(fn.lower(params, *args).compile().as_text())) == {"bf16"}
 
 
 def _cache_inputs(dtype, t, kv, b=2, s=16, n=4, d=8):
