@@ -1,6 +1,7 @@
 """What the real Gemma 3 270M LoRA step costs: interleaved A/Bs in one process, one CPU device.
 
-    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,tables,activations,layout,scored,train_layout,attention] [--batch=8]
+    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,tables,activations,layout,scored,train_layout,attention,hidden]
+                                 [--batch=8] [--dtype=float32]
                                  [--seq=40] [--rounds=3] [--decode_batches=4,8,16,40]
                                  [--new_tokens=48] [--tiny]
 
@@ -25,6 +26,8 @@
           (`models.kernels.causal_attention`: every product in the fast form, blocks of
           CPU_QUERY_BLOCK rows) vs the plain attention (`layers.softmax_attention`, blocks of
           layers.QUERY_BLOCK) as it ran before the kernel
+  hidden  the LoRA step (one device, float32 unless --dtype) with the loss's hidden gradient
+          over the vocabulary in slices (`models.kernels.tied_hidden_gradient`) vs in one product
   layout  greedy decoding, one device, with vs without the CPU decode step layout, at each of
           --decode_batches (default 4,8,16,40) with --new_tokens (48) after 32-token prompts
   scored  the demo's LoRA step on `--mesh=1x8` on its own first batch (the built-in tasks,
@@ -158,6 +161,18 @@ def plain_attention():
         kernels._cpu_softmax_attention, kernels.CPU_QUERY_BLOCK = core, block
 
 
+@contextlib.contextmanager
+def whole_hidden_gradient():
+    """Trace the loss's hidden gradient as before `tied_hidden_gradient`: one product over V."""
+    from models import kernels
+    sliced = kernels._cpu_tied_hidden_gradient
+    kernels._cpu_tied_hidden_gradient = kernels._tied_hidden_gradient
+    try:
+        yield
+    finally:
+        kernels._cpu_tied_hidden_gradient = sliced
+
+
 def layout_runs(model, params, batches: str, new_tokens: int) -> dict:
     """{b<B>_on|off: greedy decode of B random 32-token prompts} with and without the CPU step
     layout, whatever `models.decode_kernels.STEP_LAYOUT_MAX_ROWS` says; a switch recompiles, and the
@@ -215,6 +230,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--decode_batches", default="4,8,16,40", help="--what=layout's batches")
     p.add_argument("--new_tokens", type=int, default=48, help="--what=layout's new tokens")
+    p.add_argument("--dtype", default="float32", help="--what=hidden's model dtype")
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args(argv)
     source = model_source(args.tiny)
@@ -291,6 +307,12 @@ def main(argv=None) -> int:
             for name, scope in (("kernel", contextlib.nullcontext), ("plain", plain_attention)):
                 with scope():
                     run, info[name] = lora_step(model, params, one, args.batch, args.seq, train_layout=laid)
+                runs[name] = stepper(run)
+        elif what == "hidden":
+            model, params = load(source, dtype=args.dtype)
+            for name, scope in (("sliced", contextlib.nullcontext), ("whole", whole_hidden_gradient)):
+                with scope():
+                    run, info[name] = lora_step(model, params, one, args.batch, args.seq)
                 runs[name] = stepper(run)
         elif what == "layout":
             runs = layout_runs(*load(source), args.decode_batches, args.new_tokens)

@@ -7,7 +7,8 @@ tests/test_kernels.py (the projections in tests/test_projection_kernel.py). On T
 plain math runs.
 
 How the platform is chosen:
-  * Training (`gated_ffn`, `project`, `causal_attention`, and the loss's `tied_logits`) and
+  * Training (`gated_ffn`, `project`, `causal_attention`, and the loss's `tied_logits` and
+    `tied_hidden_gradient`) and
     the decoder's attention over its KV cache (models/decode_kernels.py) go through
     `by_platform`, i.e. `jax.lax.platform_dependent`: both versions are traced and the one for
     the platform the program is *lowered* for is kept, so a step compiled on a CPU host for a
@@ -100,6 +101,47 @@ def _cpu_tied_logits(h, emb):
         part = part.astype(h.dtype).astype(jnp.float32)
         return jax.lax.dynamic_update_slice_in_dim(logits, part, i * size, 1), None
     return jax.lax.scan(body, jnp.zeros((h.shape[0], v), jnp.float32), jnp.arange(n))[0]
+
+
+# The hidden gradient's product over the vocabulary: slices of at most this many table rows.
+HIDDEN_GRADIENT_ROWS = 1024
+
+
+def tied_hidden_gradient(d, emb):
+    """d [N, V] @ emb [V, H] -> float32 [N, H]: the gradient of `tied_logits` with respect to
+    h, from d = dLoss/dlogits in h's dtype; on CPU the contraction over V runs as a loop over
+    slices of at most HIDDEN_GRADIENT_ROWS rows of the table, summed in float32.
+
+    Whole, XLA:CPU ran Gemma 3's K = 262144 at ~65% of its float32 matmul peak; in slices of
+    1024 rows, near the peak, as its other products with the table run. One chunk of the
+    loss, [256, 262144] @ [262144, 640], on a 2-core AMD EPYC (ad hoc): float32 619 -> 434 ms,
+    bfloat16 265 -> 226 ms. The float32 LoRA step at 8 x 128 tokens: 7666 -> 6900 ms, `python
+    bench/real_step_ab.py --what=hidden --batch=8 --seq=128`'s `BENCH real_ab_hidden` line
+    (bench/README.md).
+    """
+    return by_platform(d, emb, cpu=_cpu_tied_hidden_gradient, plain=_tied_hidden_gradient)
+
+
+def _tied_hidden_gradient(d, emb):
+    return jnp.dot(d, emb, preferred_element_type=jnp.float32)
+
+
+def _cpu_tied_hidden_gradient(d, emb):
+    v = emb.shape[0]
+    n = -(-v // HIDDEN_GRADIENT_ROWS)
+    while v % n:
+        n += 1
+    size = v // n
+    if n == 1 or 4 * size < HIDDEN_GRADIENT_ROWS:  # one slice, or a vocabulary with no fit
+        return _tied_hidden_gradient(d, emb)
+    narrow = jnp.dtype(emb.dtype).itemsize < 4
+    cut = bits_slice if narrow else (lambda w, i, size, axis: jax.lax.dynamic_slice_in_dim(  # noqa: E731
+        w, i * size, size, axis))
+
+    def body(i, total):
+        return total + jnp.dot(cut(d, i, size, 1), cut(emb, i, size, 0),
+                               preferred_element_type=jnp.float32)
+    return jax.lax.fori_loop(0, n, body, jnp.zeros((d.shape[0], emb.shape[1]), jnp.float32))
 
 
 # --- Training: the GeGLU FFN with a written-out backward -------------------------------------

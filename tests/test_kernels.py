@@ -99,6 +99,21 @@ def test_a_narrow_tied_table_goes_a_slice_of_the_vocabulary_at_a_time(monkeypatc
     np.testing.assert_allclose(ours, reference, rtol=0, atol=0.01 * float(np.abs(reference).max()))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("vocab, sliced", [(40, True), (37, False)])
+def test_the_hidden_gradient_goes_a_slice_of_the_vocabulary_at_a_time(monkeypatch, dtype, vocab, sliced):
+    """d @ emb as a loop over slices of the table's rows (here 4 of 10) equals the one product,
+    to float32 summation order; a vocabulary with no even split of the slice size runs whole."""
+    monkeypatch.setattr(kernels, "HIDDEN_GRADIENT_ROWS", 10)
+    d, emb = (a.astype(dtype) for a in narrow((6, vocab), (vocab, 16)))
+    ours = jax.jit(kernels._cpu_tied_hidden_gradient)(d, emb)
+    jaxpr = str(jax.make_jaxpr(kernels._cpu_tied_hidden_gradient)(d, emb))
+    assert ("scan[" in jaxpr and "length=4" in jaxpr) == sliced
+    assert ours.dtype == jnp.float32 and ours.shape == (6, 16)
+    reference = np.float32(d) @ np.float32(emb)
+    np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-5 * float(np.abs(reference).max()))
+
+
 def _temp_bytes(fn, *args):
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
@@ -147,9 +162,11 @@ def test_a_bfloat16_lora_step_is_the_same_sliced_or_whole(monkeypatch):
 
 @pytest.mark.parametrize("platform, cpu_kernel", [("cpu", True), ("tpu", False)])
 def test_the_tied_logits_kernel_is_chosen_by_the_platform_lowered_for(platform, cpu_kernel):
-    h, emb = narrow((4, 16), (40, 16))
+    h, emb, d = narrow((4, 16), (40, 16), (4, 40))
     lowered = jax.jit(kernels.tied_logits).trace(h, emb).lower(lowering_platforms=(platform,))
     assert ("cpu_kernel/_cpu_tied_logits" in lowered.as_text(debug_info=True)) == cpu_kernel
+    lowered = jax.jit(kernels.tied_hidden_gradient).trace(d, emb).lower(lowering_platforms=(platform,))
+    assert ("cpu_kernel/_cpu_tied_hidden_gradient" in lowered.as_text(debug_info=True)) == cpu_kernel
 
 
 def _loss_grad(model, ids):

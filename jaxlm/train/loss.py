@@ -248,7 +248,8 @@ def _token_major(h_c, emb, columns, y_c, w_c, cap, train_emb=True):
     ce, hit, lse = _chunk_sums(logits, y_c, w_c)
     d = _logit_gradient(logits, lse, y_c, w_c, th).astype(h_c.dtype)
     # float32 out: XLA:CPU then multiplies a bfloat16 table in place, not a widened copy
-    d_h_c = jnp.einsum("BCV,VH->BCH", d, emb, preferred_element_type=jnp.float32)
+    b, c, v = d.shape
+    d_h_c = kernels.tied_hidden_gradient(d.reshape(b * c, v), emb).reshape(b, c, -1)
     if not train_emb:
         return ce, hit, d_h_c, None
     return ce, hit, d_h_c, jnp.einsum("BCH,BCV->HV", h_c, d, preferred_element_type=jnp.float32)
