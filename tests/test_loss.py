@@ -239,6 +239,20 @@ def test_only_chunks_with_a_weighted_target_are_projected(monkeypatch):
     assert L.live_chunks(w, 4) == 1 and L.live_chunks(jnp.ones_like(w), 4) == 4
 
 
+@pytest.mark.parametrize("form", ["token_major", "vocab_major_summed"])
+def test_a_trained_table_gets_zero_from_a_batch_without_a_weighted_target(monkeypatch, form):
+    """With no weighted target no chunk is projected, and a trained table's loss, hits and
+    both gradients are zero."""
+    if form != "token_major":
+        monkeypatch.setattr(L.kernels, "narrow_by_platform", lambda *args, cpu, plain: cpu(*args))
+    hidden, emb, y, w = _scattered()
+    f = lambda hh, e: L.chunked_cross_entropy(hh, e, y, jnp.zeros_like(w), chunk_size=4)  # noqa: E731
+    (loss, m), grads = jax.jit(jax.value_and_grad(lambda hh, e: (f(hh, e)["loss_sum"], f(hh, e)),
+                                                  argnums=(0, 1), has_aux=True))(hidden, emb)
+    assert float(loss) == float(m["correct"]) == 0.0
+    assert not any(np.asarray(g).any() for g in grads)
+
+
 # --- A trained table on CPU in bfloat16: the chunks vocabulary-major ---------------------------
 
 # 48 tokens: a hidden width of 6 sums the table gradient chunk by chunk, one of 24 keeps every
