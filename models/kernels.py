@@ -26,6 +26,8 @@ The kernels are written in XLA:CPU's fast forms (models/cpu_forms.py).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -103,22 +105,32 @@ def _cpu_tied_logits(h, emb):
     return jax.lax.scan(body, jnp.zeros((h.shape[0], v), jnp.float32), jnp.arange(n))[0]
 
 
-# The hidden gradient's product over the vocabulary: slices of at most this many table rows.
-HIDDEN_GRADIENT_ROWS = 1024
+HIDDEN_GRADIENT_ROWS = 1024  # table rows a slice of the hidden gradient's product
+_DEVICES: contextvars.ContextVar = contextvars.ContextVar("kernel_devices", default=1)
+
+
+@contextlib.contextmanager
+def on_devices(count: int):
+    """Tracing inside it, the program runs on `count` devices (the trainer says so). On more
+    than one a layout may split the tied table over its vocabulary (the megatron table does),
+    where a slice of it would gather the whole table: the hidden gradient multiplies it whole."""
+    token = _DEVICES.set(count)
+    try:
+        yield
+    finally:
+        _DEVICES.reset(token)
 
 
 def tied_hidden_gradient(d, emb):
     """d [N, V] @ emb [V, H] -> float32 [N, H]: the gradient of `tied_logits` with respect to
     h, from d = dLoss/dlogits in h's dtype; on CPU the contraction over V runs as a loop over
-    slices of at most HIDDEN_GRADIENT_ROWS rows of the table, summed in float32.
+    slices of at most HIDDEN_GRADIENT_ROWS rows of the table, summed in float32, in a
+    one-device program (see `on_devices`).
 
-    Whole, XLA:CPU ran Gemma 3's K = 262144 at ~65% of its float32 matmul peak; in slices of
-    1024 rows, near the peak, as its other products with the table run. One chunk of the
-    loss, [256, 262144] @ [262144, 640], on a 2-core AMD EPYC (ad hoc): float32 619 -> 434 ms,
-    bfloat16 265 -> 226 ms. The float32 LoRA step at 8 x 128 tokens: 7666 -> 6900 ms, `python
-    bench/real_step_ab.py --what=hidden --batch=8 --seq=128`'s `BENCH real_ab_hidden` line
-    (bench/README.md).
-    """
+    Whole, XLA:CPU ran Gemma 3's K = 262144 at ~65% of its float32 peak, in 1024-row slices
+    near it. One loss chunk, [256, 262144] @ [262144, 640], on a 2-core AMD EPYC (ad hoc):
+    float32 619 -> 434 ms, bfloat16 265 -> 226 ms; the float32 LoRA step at 8 x 128 7666 ->
+    6900 ms (`BENCH real_ab_hidden`, `python bench/real_step_ab.py --what=hidden`)."""
     return by_platform(d, emb, cpu=_cpu_tied_hidden_gradient, plain=_tied_hidden_gradient)
 
 
@@ -132,7 +144,7 @@ def _cpu_tied_hidden_gradient(d, emb):
     while v % n:
         n += 1
     size = v // n
-    if n == 1 or 4 * size < HIDDEN_GRADIENT_ROWS:  # one slice, or a vocabulary with no fit
+    if n == 1 or 4 * size < HIDDEN_GRADIENT_ROWS or _DEVICES.get() > 1:  # one slice, no fit
         return _tied_hidden_gradient(d, emb)
     narrow = jnp.dtype(emb.dtype).itemsize < 4
     cut = bits_slice if narrow else (lambda w, i, size, axis: jax.lax.dynamic_slice_in_dim(  # noqa: E731

@@ -114,6 +114,17 @@ def test_the_hidden_gradient_goes_a_slice_of_the_vocabulary_at_a_time(monkeypatc
     np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-5 * float(np.abs(reference).max()))
 
 
+def test_the_hidden_gradient_multiplies_the_whole_table_in_a_program_on_several_devices(monkeypatch):
+    """A layout may split the table over its vocabulary: on a mesh the slices would gather it."""
+    monkeypatch.setattr(kernels, "HIDDEN_GRADIENT_ROWS", 10)
+    d, emb = narrow((6, 40), (40, 16))
+    def jaxpr():  # traced afresh each time: jax caches a trace per function, not per context
+        return str(jax.make_jaxpr(lambda d, emb: kernels._cpu_tied_hidden_gradient(d, emb))(d, emb))
+    with kernels.on_devices(8):
+        assert "scan[" not in jaxpr()
+    assert "scan[" in jaxpr()
+
+
 def _temp_bytes(fn, *args):
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 

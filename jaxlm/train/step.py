@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models import layers
+from models import kernels, layers
 
 LossFn = Callable  # (params, batch, rng) -> (loss_sum [], metrics {str: []} with "count")
 MergeFn = Callable  # (frozen, trainable) -> params the loss sees
@@ -60,6 +60,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     """
     def params_of(frozen, trainable):
         return trainable if merge is None else merge(frozen, trainable)
+    devices = 1 if mesh is None else mesh.size
 
     def grads_and_sums(trainable, frozen, batch, rng):
         def objective(tr):
@@ -67,7 +68,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                 base, laid = frozen
                 return loss_fn(base, batch, rng, layout=laid, adapters=tr)
             return loss_fn(params_of(frozen, tr), batch, rng)
-        with layers.activation_layout(mesh, activations):
+        with layers.activation_layout(mesh, activations), kernels.on_devices(devices):
             (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
         return grads, sums
 
