@@ -74,10 +74,12 @@ def slices(rows: int, cols: int, dtype) -> int:
     the fewest that divide `cols` and keep a float32 [rows, cols / n] within SLICE_BYTES."""
     if jnp.dtype(dtype) == jnp.float32:
         return 1
-    n = max(1, -(-4 * rows * cols // SLICE_BYTES))
-    while cols % n:
-        n += 1
-    return n
+    return _fewest_parts(cols, -(-4 * rows * cols // SLICE_BYTES))
+
+
+def _fewest_parts(total: int, at_least: int) -> int:
+    """The smallest n >= max(at_least, 1) that divides `total` (none above it: an error)."""
+    return next(n for n in range(max(1, at_least), total + 1) if total % n == 0)
 
 
 # --- Training: the tied embedding's logits ---------------------------------------------------
@@ -140,9 +142,7 @@ def _tied_hidden_gradient(d, emb):
 
 def _cpu_tied_hidden_gradient(d, emb):
     v = emb.shape[0]
-    n = -(-v // HIDDEN_GRADIENT_ROWS)
-    while v % n:
-        n += 1
+    n = _fewest_parts(v, -(-v // HIDDEN_GRADIENT_ROWS))
     size = v // n
     if n == 1 or 4 * size < HIDDEN_GRADIENT_ROWS or _DEVICES.get() > 1:  # one slice, no fit
         return _tied_hidden_gradient(d, emb)

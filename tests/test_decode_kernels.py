@@ -12,6 +12,7 @@ from models import decode_kernels, layers
 from models.gemma import PRESETS, Gemma, init_cache
 
 TINY = PRESETS["gemma_tiny"].replace(vocab_size=256, num_layers=1)
+BF16_DECODE = TINY.replace(vocab_size=1024, dtype="bfloat16")  # `_bfloat16_generate_hlo`'s model
 
 
 @pytest.mark.parametrize("eq, kernel, x", [
@@ -118,14 +119,7 @@ def test_narrow_kernels_without_the_layout_multiply_as_stored(eq, kernel, x):
 def test_a_bfloat16_decode_loop_multiplies_only_in_the_fast_form(batch):
     """Every product of a bfloat16 generate program on CPU takes bfloat16 operands, at 4 rows
     (as stored, no step layout) and beyond the step layout's rows: none widens its weights."""
-    from jaxlm import decode, sampling
-    cfg = TINY.replace(vocab_size=1024, dtype="bfloat16")
-    model = Gemma(cfg)
-    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))["params"]
-    fn = decode._compiled(model, sampling.resolve("greedy"), batch, 8, 16, False, None)
-    args = (np.zeros((batch, 8), np.int32), np.full((batch,), 4, np.int32), np.int32(16), np.int32(0),
-            np.full((decode._STOP_SLOTS,), -1, np.int32))
-    assert set(dot_operand_types(fn.lower(params, *args).compile().as_text())) == {"bf16"}
+    assert set(dot_operand_types(_bfloat16_generate_hlo(batch))) == {"bf16"}
 
 
 def _cache_inputs(dtype, t, kv, b=2, s=16, n=4, d=8):
@@ -249,17 +243,22 @@ def test_a_bfloat16_decode_loop_holds_no_float32_copy_of_the_table(batch):
     """The compiled generate program of a bfloat16 Gemma on CPU reads its tied table in place,
     for the lookup (as bits) and for the logits: XLA:CPU otherwise widened the whole table
     to float32 once a call and kept it for the loop (the 270M: 671 MB and ~160 ms a call)."""
+    hlo = _bfloat16_generate_hlo(batch)
+    table = f"[{BF16_DECODE.vocab_size},{BF16_DECODE.hidden_dim}]"
+    arrays = _written(hlo)
+    assert f"bf16{table}" in arrays and f"f32{table}" not in arrays
+
+
+def _bfloat16_generate_hlo(batch: int) -> str:
+    """The compiled CPU generate program (greedy, 8-token prompts, 16 tokens) of a bfloat16
+    Gemma (`BF16_DECODE`) for `batch` rows."""
     from jaxlm import decode, sampling
-    cfg = TINY.replace(vocab_size=1024, dtype="bfloat16")
-    model = Gemma(cfg)
+    model = Gemma(BF16_DECODE)
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))["params"]
     fn = decode._compiled(model, sampling.resolve("greedy"), batch, 8, 16, False, None)
     args = (np.zeros((batch, 8), np.int32), np.full((batch,), 4, np.int32), np.int32(16), np.int32(0),
             np.full((decode._STOP_SLOTS,), -1, np.int32))
-    hlo = fn.lower(params, *args).compile().as_text()
-    table = f"[{cfg.vocab_size},{cfg.hidden_dim}]"
-    arrays = _written(hlo)
-    assert f"bf16{table}" in arrays and f"f32{table}" not in arrays
+    return fn.lower(params, *args).compile().as_text()
 
 
 def _written(hlo: str) -> list[str]:
