@@ -26,8 +26,6 @@ The kernels are written in XLA:CPU's fast forms (models/cpu_forms.py).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
 
@@ -108,26 +106,15 @@ def _cpu_tied_logits(h, emb):
 
 
 HIDDEN_GRADIENT_ROWS = 1024  # table rows a slice of the hidden gradient's product
-_DEVICES: contextvars.ContextVar = contextvars.ContextVar("kernel_devices", default=1)
-
-
-@contextlib.contextmanager
-def on_devices(count: int):
-    """Tracing inside it, the program runs on `count` devices (the trainer says so). On more
-    than one a layout may split the tied table over its vocabulary (the megatron table does),
-    where a slice of it would gather the whole table: the hidden gradient multiplies it whole."""
-    token = _DEVICES.set(count)
-    try:
-        yield
-    finally:
-        _DEVICES.reset(token)
 
 
 def tied_hidden_gradient(d, emb):
     """d [N, V] @ emb [V, H] -> float32 [N, H]: the gradient of `tied_logits` with respect to
     h, from d = dLoss/dlogits in h's dtype; on CPU the contraction over V runs as a loop over
     slices of at most HIDDEN_GRADIENT_ROWS rows of the table, summed in float32, in a
-    one-device program (see `on_devices`).
+    one-device program (`layers.traced_devices`). On more than one device a layout may split
+    the table over its vocabulary (the megatron table does), where a slice of it would gather
+    the whole table: there it is multiplied whole.
 
     Whole, XLA:CPU ran Gemma 3's K = 262144 at ~65% of its float32 peak, in 1024-row slices
     near it. One loss chunk, [256, 262144] @ [262144, 640], on a 2-core AMD EPYC (ad hoc):
@@ -144,7 +131,7 @@ def _cpu_tied_hidden_gradient(d, emb):
     v = emb.shape[0]
     n = _fewest_parts(v, -(-v // HIDDEN_GRADIENT_ROWS))
     size = v // n
-    if n == 1 or 4 * size < HIDDEN_GRADIENT_ROWS or _DEVICES.get() > 1:  # one slice, no fit
+    if n == 1 or 4 * size < HIDDEN_GRADIENT_ROWS or layers.traced_devices() > 1:  # one slice, no fit
         return _tied_hidden_gradient(d, emb)
     narrow = jnp.dtype(emb.dtype).itemsize < 4
     cut = bits_slice if narrow else (lambda w, i, size, axis: jax.lax.dynamic_slice_in_dim(  # noqa: E731

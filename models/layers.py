@@ -30,12 +30,20 @@ _ACTIVATIONS: contextvars.ContextVar = contextvars.ContextVar("activation_layout
 
 @contextlib.contextmanager
 def activation_layout(mesh, rules: dict):
-    """While tracing inside it, `constrain` pins activations: rules {logical name: mesh axes}."""
-    token = _ACTIVATIONS.set(None if mesh is None or not rules else (mesh, dict(rules)))
+    """While tracing inside it, the program runs on `mesh` (`traced_devices`) and `constrain`
+    pins activations: rules {logical name: mesh axes}, none for none."""
+    token = _ACTIVATIONS.set(None if mesh is None else (mesh, dict(rules or {})))
     try:
         yield
     finally:
         _ACTIVATIONS.reset(token)
+
+
+def traced_devices() -> int:
+    """How many devices the program being traced runs on: the size of `activation_layout`'s
+    mesh, 1 outside it."""
+    layout = _ACTIVATIONS.get()
+    return 1 if layout is None else layout[0].size
 
 
 def constrain(x, names: tuple):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models import kernels, layers
+from models import layers
 
 LossFn = Callable  # (params, batch, rng) -> (loss_sum [], metrics {str: []} with "count")
 MergeFn = Callable  # (frozen, trainable) -> params the loss sees
@@ -60,7 +60,6 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     """
     def params_of(frozen, trainable):
         return trainable if merge is None else merge(frozen, trainable)
-    devices = 1 if mesh is None else mesh.size
 
     def grads_and_sums(trainable, frozen, batch, rng):
         def objective(tr):
@@ -68,7 +67,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                 base, laid = frozen
                 return loss_fn(base, batch, rng, layout=laid, adapters=tr)
             return loss_fn(params_of(frozen, tr), batch, rng)
-        with layers.activation_layout(mesh, activations), kernels.on_devices(devices):
+        with layers.activation_layout(mesh, activations):
             (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
         return grads, sums
 
