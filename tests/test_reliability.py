@@ -293,27 +293,44 @@ def test_builtin_architectures_get_a_tokenizer_of_their_size(tmp_path, monkeypat
 
 
 def test_second_ctrl_c_and_ctrl_c_at_start_up_are_one_line(tmp_path):
-    """Ctrl-C twice exits at once (130, no traceback); during imports, one line too."""
+    """Ctrl-C twice exits at once (130, no traceback); before the loop, one line too.
+
+    Each signal is sent only once the process has shown it is where the test wants it: two
+    SIGINTs that land before Python runs its handler are delivered to it as one."""
     script = tmp_path / "slow.py"
     script.write_text(textwrap.dedent("""
-        import time, jax.numpy as jnp
+        import sys, time, jax.numpy as jnp
         from jaxlm.errors import cli
         from jaxlm.train import loop
-        def step(state, frozen, batch):  # long, so that both signals land inside one step:
-            time.sleep(2.0)  # a loop that stopped in between has given SIGINT back (-2, not 130)
+        def step(state, frozen, batch):  # inside the loop: the watch is installed
+            print("stepping", flush=True)
+            time.sleep(20.0)  # far longer than the test needs: both signals land in this step
             return {"step": state["step"] + 1}, {"loss": 1.0, "accuracy": 0.0, "count": 1.0}
-        print("ready", flush=True)
-        cli(lambda: loop.run(step, {"step": jnp.int32(0)}, None, lambda s: None, num_steps=1000,
-                             log_every=1000, print_fn=lambda *a: None))()
+        def start_up():
+            print("starting", flush=True)
+            time.sleep(20.0)
+        main = start_up if sys.argv[1:] == ["start-up"] else lambda: loop.run(
+            step, {"step": jnp.int32(0)}, None, lambda s: None, num_steps=1000, log_every=1000,
+            print_fn=lambda *a: None)
+        cli(main)()
     """))
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout.readline().strip() == "ready"
-    time.sleep(1.0)
+
+    def started(*args):
+        proc = subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, env=env(),
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.readline()
+        return proc
+
+    proc = started()
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.01)
+    assert proc.stderr.readline().startswith("interrupt: finishing this step")
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == ("interrupted again: exiting now; the last complete "
                                             "checkpoint is kept") and "Traceback" not in err
+
+    proc = started("start-up")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err.strip()) == (130, "interrupted")
