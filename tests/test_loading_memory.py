@@ -1,8 +1,10 @@
 """Loading holds little beyond the parameters it returns: random init needs few temporaries
 (the compiler's own count), and a GGUF file is dequantised one tensor at a time, each placed
-before the next is read."""
+before the next is read, the embedding by the rows each device holds."""
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxlm
 from jaxlm import loading
@@ -23,7 +25,7 @@ def test_random_init_needs_few_temporaries():
     assert float(jnp.std(params["token_embedding"]["embeddings"].astype(jnp.float32))) > 0
 
 
-def test_gguf_tensors_are_read_one_at_a_time(spm_tokenizer, tmp_path, monkeypatch):
+def one_layer_gguf(spm_tokenizer, tmp_path):
     s = {**SMALL, "layers": 1}
     cfg = GemmaConfig(vocab_size=s["vocab"], num_layers=1, num_heads=s["heads"], num_kv_heads=s["kv"],
                       hidden_dim=s["hidden"], ffw_dim=s["ffw"], head_dim=s["head_dim"],
@@ -31,6 +33,11 @@ def test_gguf_tensors_are_read_one_at_a_time(spm_tokenizer, tmp_path, monkeypatc
     params = Gemma(cfg).init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"]
     path = tmp_path / "one_layer.gguf"
     write_gguf(path, params, tokenizer=spm_tokenizer, s=s)
+    return path, params
+
+
+def test_gguf_tensors_are_read_one_at_a_time(spm_tokenizer, tmp_path, monkeypatch):
+    path, params = one_layer_gguf(spm_tokenizer, tmp_path)
     from jaxlm.convert import gguf
     log = []
     read, put = gguf._dequantise, jax.device_put
@@ -38,3 +45,23 @@ def test_gguf_tensors_are_read_one_at_a_time(spm_tokenizer, tmp_path, monkeypatc
     monkeypatch.setattr(jax, "device_put", lambda *a, **k: log.append("put") or put(*a, **k))
     jaxlm.load(str(path))
     assert log == ["read", "put"] * len(jax.tree.leaves(params))
+
+
+def test_gguf_embedding_is_read_by_the_rows_of_each_device(spm_tokenizer, tmp_path, monkeypatch):
+    """Split over the vocabulary on 8 devices, the embedding is dequantised in 8 row blocks,
+    never whole: in a multi-process run a process reads only its own devices' rows."""
+    path, params = one_layer_gguf(spm_tokenizer, tmp_path)
+    from jaxlm.convert import gguf
+    blocks, read = [], gguf._dequantise
+    monkeypatch.setattr(gguf, "_dequantise", lambda t, layout, *rows: (
+        blocks.append(rows) if t.name == "token_embd.weight" else None) or read(t, layout, *rows))
+    mesh = Mesh(np.array(jax.devices()[:8]), ("model",))
+    rows = NamedSharding(mesh, P("model", None))
+    _, loaded = jaxlm.load(str(path), placement=lambda p, shape: rows if len(shape) == 2
+                           else NamedSharding(mesh, P()))
+    vocab = SMALL["vocab"]
+    assert sorted(blocks) == [(i * vocab // 8, (i + 1) * vocab // 8) for i in range(8)]
+    table = loaded["token_embedding"]["embeddings"]
+    assert table.sharding == rows
+    np.testing.assert_allclose(np.asarray(table), params["token_embedding"]["embeddings"],
+                               atol=1e-2)

@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxlm.convert import gguf_file
 from jaxlm.errors import UserError
+from jaxlm.tree import Rows
 
 ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
@@ -105,15 +106,11 @@ def query_pre_attn_scalar(arch: str, key, kwargs: dict) -> float | None:
     return None
 
 
-def read_params(reader, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
-    """{our path: float32 numpy} for every tensor of the file (dequantised)."""
-    return {path: read() for path, read in tensor_readers(reader, num_heads, num_kv_heads, head_dim).items()}
-
-
 def tensor_readers(reader, num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
-    """{our path: () -> float32 numpy in our layout}: a tensor is dequantised only when its
-    reader is called, so a loader can place the file tensor by tensor instead of holding all
-    of it dequantised (float32 is ~7x a Q4_K file)."""
+    """{our path: () -> float32 numpy in our layout, or `Rows`}: a tensor is dequantised only
+    when its reader is called, so a loader can place the file tensor by tensor instead of
+    holding all of it dequantised (float32 is ~7x a Q4_K file). The embedding, a matrix kept in
+    the file's layout, comes as `Rows`: each process dequantises only its devices' rows."""
     out = {}
     for t in reader.tensors:
         name = t.name.removesuffix(".weight")
@@ -128,7 +125,10 @@ def tensor_readers(reader, num_heads: int, num_kv_heads: int, head_dim: int) -> 
             path, layout = _block_entry(f"decoder_block_{int(i)}", part, num_heads, num_kv_heads, head_dim)
         else:
             raise UserError(f"unexpected tensor {t.name} in a Gemma GGUF file")
-        out[path] = functools.partial(_dequantise, t, layout)
+        if layout is None and len(t.shape) == 2:
+            out[path] = functools.partial(Rows, tuple(t.shape), functools.partial(_dequantise, t, None))
+        else:
+            out[path] = functools.partial(_dequantise, t, layout)
     return out
 
 
@@ -138,15 +138,18 @@ def tensor_readers(reader, num_heads: int, num_kv_heads: int, head_dim: int) -> 
 DEQUANT_ROWS = 16384
 
 
-def _dequantise(t, layout):
+def _dequantise(t, layout, start: int = 0, stop: int | None = None):
+    """Tensor `t` as float32 in our layout; of a matrix, rows [start, stop) only."""
     import gguf
     try:
         if t.data.ndim < 2:  # a vector (its data may be bytes): whole
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         else:
-            w = np.empty(t.shape, np.float32)  # the numpy shape (jaxlm.convert.gguf_file)
-            for r in range(0, len(w), DEQUANT_ROWS):
-                w[r:r + DEQUANT_ROWS] = gguf.quants.dequantize(t.data[r:r + DEQUANT_ROWS], t.tensor_type)
+            stop = t.shape[0] if stop is None else stop
+            w = np.empty((stop - start, *t.shape[1:]), np.float32)  # numpy's shape (gguf_file)
+            for r in range(start, stop, DEQUANT_ROWS):
+                end = min(r + DEQUANT_ROWS, stop)
+                w[r - start:end - start] = gguf.quants.dequantize(t.data[r:end], t.tensor_type)
     except Exception as e:
         raise UserError(f"cannot read tensor {t.name} ({t.tensor_type.name}): {e}; "
                         "the file is truncated or uses an unsupported quantisation") from None
