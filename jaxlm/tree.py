@@ -11,7 +11,7 @@ from jaxlm.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
-class Rows:
+class RowReader:
     """A host tensor a loader reads by rows on demand: `read(start, stop)` -> rows [start, stop)
     as numpy. Placed with a sharding, each device's block is read by itself, so a process
     reads only the rows of its own devices: the demo's 0.67 GB float32 embedding, read whole
@@ -23,10 +23,10 @@ class Rows:
 def place_streamed(abstract: dict, fetch: Callable, placement=None, mismatch: Callable = None) -> dict:
     """Fill `abstract` ({path: ShapeDtypeStruct}) tensor by tensor -> nested dict of arrays.
 
-    Each host array (or `Rows`) `fetch(path)` is shape-checked (`mismatch(path, got, want)` ->
-    the error line), cast, placed (`placement(path, shape) -> Sharding`, else the default
-    device) and dropped before the next is fetched, so host memory holds one tensor beyond the
-    source.
+    Each host array (or `RowReader`) `fetch(path)` is shape-checked (`mismatch(path, got,
+    want)` -> the error line), cast, placed (`placement(path, shape) -> Sharding`, else the
+    default device) and dropped before the next is fetched, so host memory holds one tensor
+    beyond the source.
     """
     flat = {}
     for path, spec in abstract.items():
@@ -34,7 +34,7 @@ def place_streamed(abstract: dict, fetch: Callable, placement=None, mismatch: Ca
         if tuple(arr.shape) != tuple(spec.shape):
             raise UserError(mismatch(path, tuple(arr.shape), tuple(spec.shape)))
         sharding = placement(path, spec.shape) if placement else None
-        if isinstance(arr, Rows):
+        if isinstance(arr, RowReader):
             flat[path] = _place_rows(arr, spec.dtype, sharding)
         else:
             arr = arr.astype(spec.dtype, copy=False)
@@ -43,7 +43,7 @@ def place_streamed(abstract: dict, fetch: Callable, placement=None, mismatch: Ca
     return unflatten(flat)
 
 
-def _place_rows(rows: Rows, dtype, sharding) -> jax.Array:
+def _place_rows(rows: RowReader, dtype, sharding) -> jax.Array:
     def block(index):
         start, stop, _ = index[0].indices(rows.shape[0])
         w = rows.read(start, stop).astype(dtype, copy=False)

@@ -14,6 +14,7 @@ import jaxlm
 from conftest import random_norm_scales, ragged_batch
 from test_convert import run_cli  # one error line, exit code 2
 from jaxlm.convert.__main__ import main as convert_main
+from jaxlm.convert.hf_tensors import Reader
 from jaxlm.errors import UserError
 
 torch = pytest.importorskip("torch")
@@ -303,10 +304,17 @@ def test_tensors_land_in_their_shardings(hf_folder):
 
     def placement(p, shape):
         return sharded if p == "token_embedding/embeddings" else NamedSharding(mesh, P())
-    _, params = jaxlm.load(path, placement=placement)
+    blocks, rows = [], Reader.rows
+    with pytest.MonkeyPatch.context() as mp:  # the table is read by each device's rows
+        mp.setattr(Reader, "rows", lambda self, key, *r: blocks.append(r) or rows(self, key, *r))
+        _, params = jaxlm.load(path, placement=placement)
+    n = len(jax.devices())
+    assert sorted(blocks) == [(i * VOCAB // n, (i + 1) * VOCAB // n) for i in range(n)]
     emb = params["token_embedding"]["embeddings"]
-    assert emb.sharding == sharded and len(emb.addressable_shards) == len(jax.devices())
-    assert emb.addressable_shards[0].data.shape == (VOCAB // len(jax.devices()), 32)
+    assert emb.sharding == sharded and len(emb.addressable_shards) == n
+    assert emb.addressable_shards[0].data.shape == (VOCAB // n, 32)
+    _, whole = jaxlm.load(path)
+    np.testing.assert_array_equal(np.asarray(emb), np.asarray(whole["token_embedding"]["embeddings"]))
 
 
 def test_reading_streams_one_tensor_at_a_time(tmp_path):

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxlm.convert import gguf_file
 from jaxlm.errors import UserError
-from jaxlm.tree import Rows
+from jaxlm.tree import RowReader
 
 ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
@@ -107,10 +107,10 @@ def query_pre_attn_scalar(arch: str, key, kwargs: dict) -> float | None:
 
 
 def tensor_readers(reader, num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
-    """{our path: () -> float32 numpy in our layout, or `Rows`}: a tensor is dequantised only
-    when its reader is called, so a loader can place the file tensor by tensor instead of
+    """{our path: () -> float32 numpy in our layout, or a `RowReader`}: a tensor is dequantised
+    only when its reader is called, so a loader can place the file tensor by tensor instead of
     holding all of it dequantised (float32 is ~7x a Q4_K file). The embedding, a matrix kept in
-    the file's layout, comes as `Rows`: each process dequantises only its devices' rows."""
+    the file's layout, comes as a `RowReader`: each process dequantises its devices' rows."""
     out = {}
     for t in reader.tensors:
         name = t.name.removesuffix(".weight")
@@ -126,7 +126,8 @@ def tensor_readers(reader, num_heads: int, num_kv_heads: int, head_dim: int) -> 
         else:
             raise UserError(f"unexpected tensor {t.name} in a Gemma GGUF file")
         if layout is None and len(t.shape) == 2:
-            out[path] = functools.partial(Rows, tuple(t.shape), functools.partial(_dequantise, t, None))
+            rows = functools.partial(_dequantise, t, None)
+            out[path] = functools.partial(RowReader, tuple(t.shape), rows)
         else:
             out[path] = functools.partial(_dequantise, t, layout)
     return out

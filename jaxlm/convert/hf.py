@@ -30,7 +30,7 @@ from jaxlm.convert import hf_gemma, hf_roberta
 from jaxlm.convert.hf_tensors import MAX_SHARD_BYTES, Reader, Rows, write_folder_weights
 from jaxlm.convert.hf_tokenizer import write_tokenizer
 from jaxlm.errors import UserError
-from jaxlm.tree import flatten, place_streamed, to_host
+from jaxlm.tree import RowReader, flatten, place_streamed, to_host
 
 FORMATS = {"gemma": hf_gemma, "roberta": hf_roberta}  # family name -> its HF mapping
 CONFIG = "config.json"
@@ -96,6 +96,8 @@ def read_params(folder: str, family, config, abstract: dict, placement=None) -> 
 
         def fetch(path):
             t = table[path]
+            if t.as_is and len(t.shape) == 2:  # the embedding: each device's rows, read alone
+                return RowReader(t.shape, functools.partial(reader.rows, file_key(t.keys[0])))
             return np.asarray(t.to_ours(*(reader.get(file_key(k)) for k in t.keys)))
 
         return place_streamed(abstract, fetch, placement,

@@ -146,8 +146,15 @@ class Reader:
         return tuple(self._open(self._files[key]).get_slice(key).get_shape())
 
     def get(self, key: str) -> np.ndarray:
+        return self._read(key, lambda f: f.get_tensor(key))
+
+    def rows(self, key: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of tensor `key`, read alone."""
+        return self._read(key, lambda f: np.asarray(f.get_slice(key)[start:stop]))
+
+    def _read(self, key: str, read: Callable) -> np.ndarray:
         try:
-            return self._open(self._files[key]).get_tensor(key)
+            return read(self._open(self._files[key]))
         except UserError:
             raise
         except Exception as e:
