@@ -6,6 +6,7 @@ import subprocess
 import sys
 import tracemalloc
 
+import jax
 import numpy as np
 import pytest
 
@@ -79,6 +80,25 @@ def test_weights_are_streamed_one_tensor_at_a_time(keras_gemma_preset):
     assert sum(sizes) > 8 * max(sizes)  # the check below means something only for many tensors
     assert peak < 3 * max(sizes) + 2**20, (peak, max(sizes), sum(sizes))
     assert len(keras_preset.flatten(params)) == len(flat)
+
+
+def test_the_embedding_is_read_by_the_rows_each_device_holds(keras_gemma_preset, monkeypatch):
+    """Split over the vocabulary, the table is read in one block per device, never whole: in a
+    multi-process run a process reads only its own devices' rows."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    path, _ = keras_gemma_preset("gemma_rows", num_layers=1, hidden_dim=16, intermediate_dim=32)
+    blocks, get = [], keras_preset.H5Store.get
+    monkeypatch.setattr(keras_preset.H5Store, "get", lambda self, key, *rows: (
+        blocks.append(rows) if "embedding" in key else None) or get(self, key, *rows))
+    mesh = Mesh(np.array(jax.devices()[:8]), ("model",))
+    split = NamedSharding(mesh, P("model", None))
+    _, params = jaxlm.load(path, placement=lambda p, shape: split if p == "token_embedding/embeddings"
+                           else NamedSharding(mesh, P()))
+    table = params["token_embedding"]["embeddings"]
+    vocab = table.shape[0]
+    assert sorted(blocks) == [(i * vocab // 8, (i + 1) * vocab // 8) for i in range(8)]
+    _, whole = jaxlm.load(path)
+    np.testing.assert_array_equal(np.asarray(table), np.asarray(whole["token_embedding"]["embeddings"]))
 
 
 # --- bad input: one clear line, exit code 2 ----------------------------------------------------

@@ -11,6 +11,7 @@ so host memory peaks near one copy of the weights plus one tensor.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 from typing import Callable
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from jaxlm import storage
 from jaxlm.errors import UserError
-from jaxlm.tree import flatten, place_streamed
+from jaxlm.tree import RowReader, flatten, place_streamed
 
 TASK_PREFIX = "task:"  # a family's keras_paths value with this prefix lives in task.weights.h5
 
@@ -79,18 +80,23 @@ class H5Store:
             self._prefix[role] = _find_prefix(h5, key)
         return h5, self._prefix[role] + key
 
-    def get(self, key: str) -> np.ndarray:
+    def dataset(self, key: str):
         role = "model"
         if key.startswith(TASK_PREFIX):
             role, key = "task", key[len(TASK_PREFIX):]
         h5, full = self._file_for(role, key)
         if full not in h5:
             raise UserError(f"{h5.filename} has no weight {full}; is it a weights file for this model?")
-        ds = h5[full]
+        return h5[full]
+
+    def get(self, key: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
+        """Tensor `key`, or its rows [start, stop)."""
+        ds = self.dataset(key)
         try:
-            data = ds[()]
+            data = ds[()] if start is None else ds[start:stop]
         except OSError as e:
-            raise UserError(f"cannot read {full} from {h5.filename} (truncated file? {e})") from None
+            raise UserError(f"cannot read {ds.name.lstrip('/')} from {ds.file.filename} "
+                            f"(truncated file? {e})") from None
         if ds.dtype.kind == "V" or ds.attrs.get("dtype") == "bfloat16":
             data = np.asarray(data).view(np.uint16).view(ml_dtypes.bfloat16)
         return np.asarray(data)
@@ -139,8 +145,13 @@ def read_params(family, config, files: dict[str, str], abstract: dict,
     if missing:
         raise RuntimeError(f"no Keras name for parameters {missing[:3]}…")  # a bug in the family
     with H5Store(files) as store:
+        def fetch(path):
+            if path.endswith("token_embedding/embeddings"):  # each device's rows, read alone
+                return RowReader(store.dataset(paths[path]).shape,
+                                 functools.partial(store.get, paths[path]))
+            return store.get(paths[path])
         return place_streamed(
-            abstract, lambda path: store.get(paths[path]), placement,
+            abstract, fetch, placement,
             lambda path, got, want: (f"weight {path} has shape {got} in the file but the config says "
                                      f"{want}; the weights do not belong to this config.json"))
 
