@@ -44,15 +44,17 @@ def place_streamed(abstract: dict, fetch: Callable, placement=None, mismatch: Ca
 
 
 def _place_rows(rows: RowReader, dtype, sharding) -> jax.Array:
-    def block(index):
-        start, stop, _ = index[0].indices(rows.shape[0])
-        w = rows.read(start, stop).astype(dtype, copy=False)
-        columns = tuple(index[1:])
-        if all(c.indices(n) == (0, n, 1) for c, n in zip(columns, rows.shape[1:])):
-            return w
-        return np.array(w[(slice(None),) + columns])  # a copy: a view keeps every column alive
     if sharding is None:
-        return jax.device_put(block((slice(None),)))
+        return jax.device_put(rows.read(0, rows.shape[0]).astype(dtype, copy=False))
+    last = {}  # the rows read last: devices holding the same rows (replicas, a split of the
+    # columns) share one read instead of each reading, or dequantising, the table again
+
+    def block(index):
+        span = index[0].indices(rows.shape[0])[:2]
+        if last.get("span") != span:
+            last.clear()
+            last.update(span=span, rows=rows.read(*span).astype(dtype, copy=False))
+        return np.array(last["rows"][(slice(None),) + tuple(index[1:])])  # each device's own copy
     return jax.make_array_from_callback(tuple(rows.shape), sharding, block)
 
 

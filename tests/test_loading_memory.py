@@ -65,3 +65,11 @@ def test_gguf_embedding_is_read_by_the_rows_of_each_device(spm_tokenizer, tmp_pa
     assert table.sharding == rows
     np.testing.assert_allclose(np.asarray(table), params["token_embedding"]["embeddings"],
                                atol=1e-2)
+
+    blocks.clear()  # split over the hidden axis, every device holds all rows: read once
+    columns = NamedSharding(mesh, P(None, "model"))
+    _, loaded = jaxlm.load(str(path), placement=lambda p, shape: columns if len(shape) == 2
+                           else NamedSharding(mesh, P()))
+    assert blocks == [(0, vocab)] and loaded["token_embedding"]["embeddings"].sharding == columns
+    np.testing.assert_array_equal(np.asarray(loaded["token_embedding"]["embeddings"]),
+                                  np.asarray(table))
