@@ -13,7 +13,8 @@ jaxlm.generate` re-execute themselves once with the tunable added (same PID, arg
 environment otherwise) before any work; importing the jaxlm package, ~1 s, is paid twice.
 Library code never does this: in your own scripts, set the variable before starting Python.
 `JAXLM_HUGE_PAGES=0` turns it off; an older glibc ignores the tunable, and the variable being
-set stops a second re-exec.
+set stops a second re-exec. `jaxlm.launch` adds its own tunable for the local processes it
+starts (`with_tunables`).
 """
 from __future__ import annotations
 
@@ -23,14 +24,20 @@ import sys
 TUNABLE = "glibc.malloc.hugetlb=1"
 
 
+def with_tunables(tunables: str, *wanted: str) -> str:
+    """`tunables` (a GLIBC_TUNABLES value) with each `name=value` of `wanted` added whose name
+    it does not set: a setting already there (the user's) is kept as it is."""
+    names = {t.split("=")[0] for t in tunables.split(":")}
+    return ":".join(filter(None, [tunables, *(t for t in wanted if t.split("=")[0] not in names)]))
+
+
 def tuned_environ(environ) -> dict | None:
     """The environment to restart with, or None when there is nothing to do."""
     if not sys.platform.startswith("linux") or environ.get("JAXLM_HUGE_PAGES") == "0":
         return None
     tunables = environ.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.hugetlb" in tunables:  # set already (by us or by the user): keep theirs
-        return None
-    return {**environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, TUNABLE]))}
+    tuned = with_tunables(tunables, TUNABLE)
+    return None if tuned == tunables else {**environ, "GLIBC_TUNABLES": tuned}
 
 
 def restart_with_huge_pages(execve=os.execve) -> None:

@@ -6,8 +6,10 @@
 Each child gets the `jaxlm.distributed` settings in its environment (JAX_COORDINATOR_ADDRESS on
 127.0.0.1 and a free port, JAXLM_NUM_PROCESSES, JAXLM_PROCESS_ID) and, with
 --devices_per_process, that many simulated CPU devices (XLA_FLAGS) and JAX_PLATFORMS=cpu, so
-jax.devices() is the global N * devices_per_process. Output is streamed line by line prefixed
-with `[pI]`. If one process fails, the others are stopped and the launcher exits with its code.
+jax.devices() is the global N * devices_per_process. On Linux each also starts with two malloc
+arenas (`ARENAS`, in GLIBC_TUNABLES): the processes share the machine's memory. Output is
+streamed line by line prefixed with `[pI]`. If one process fails, the others are stopped and
+the launcher exits with its code.
 
 Ctrl-C or SIGTERM to the launcher is passed on to every process, so `train.py` processes finish
 their step, save a checkpoint and exit (0 after SIGTERM; the launcher then exits with the worst
@@ -26,6 +28,7 @@ import sys
 import threading
 import time
 
+from jaxlm import hugepages
 from jaxlm.errors import ArgumentParser, UserError, cli
 
 GRACE_S = 5.0  # SIGTERM, then SIGKILL, for the others when one process failed
@@ -62,8 +65,20 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return a, command
 
 
+# The processes share one machine's memory, and each pays for its own: glibc gives every
+# thread that allocates an arena of its own (up to 8 per core), and the runtime's threads
+# (XLA's, and jax.distributed's) each keep what they freed in theirs. Two arenas a process:
+# the demo's two processes peaked ~150 MB lower in all (`python bench/demo.py`, 2 cores,
+# bench/README.md "a fourth session"), and trained as fast (2% slower, within the runs'
+# spread). Not train.py's own default: one process's training took 45.3-47.6 s with it against
+# 43.9 s. A value in the caller's GLIBC_TUNABLES is kept.
+ARENAS = "glibc.malloc.arena_max=2"
+
+
 def child_env(a, process_id: int, address: str, base=None) -> dict:
     env = dict(os.environ if base is None else base)
+    if sys.platform.startswith("linux"):
+        env["GLIBC_TUNABLES"] = hugepages.with_tunables(env.get("GLIBC_TUNABLES", ""), ARENAS)
     env.update(JAX_COORDINATOR_ADDRESS=address, JAXLM_NUM_PROCESSES=str(a.num_processes),
                JAXLM_PROCESS_ID=str(process_id),
                JAXLM_INITIALIZATION_TIMEOUT=str(a.initialization_timeout), PYTHONUNBUFFERED="1")

@@ -23,6 +23,13 @@ def test_tuned_environ_adds_the_tunable_once_and_keeps_the_users(monkeypatch):
     assert hugepages.tuned_environ({}) is None
 
 
+def test_with_tunables_adds_only_the_names_not_set():
+    assert hugepages.with_tunables("", "a.b=1", "c.d=2") == "a.b=1:c.d=2"
+    assert hugepages.with_tunables("c.d=5", "a.b=1", "c.d=2") == "c.d=5:a.b=1"
+    assert hugepages.with_tunables("a.b=0:c.d=5", "a.b=1", "c.d=2") == "a.b=0:c.d=5"
+    assert hugepages.with_tunables("a.bc=0", "a.b=1") == "a.bc=0:a.b=1"  # names, not prefixes
+
+
 def test_restart_execs_the_same_command_line(monkeypatch):
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)

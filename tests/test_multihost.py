@@ -345,6 +345,13 @@ def test_flags_and_environment():
     s, _ = distributed.from_argv([], environ=env)
     assert (s.coordinator_address, s.num_processes, s.process_id) == ("h:1", 2, 1)
     assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=4"
+    if sys.platform.startswith("linux"):  # local processes take few malloc arenas, unless told
+        assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+        a = launch.parse(["--", "x"])[0]
+        assert launch.child_env(a, 0, "h:1", base={"GLIBC_TUNABLES": "glibc.malloc.arena_max=8"})[
+            "GLIBC_TUNABLES"] == "glibc.malloc.arena_max=8"
+        assert launch.child_env(a, 0, "h:1", base={"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})[
+            "GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2"
     assert distributed.cluster_env({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}) == "slurm"
     assert distributed.cluster_env({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
     assert distributed.cluster_env({"OMPI_COMM_WORLD_SIZE": "2"}) == "openmpi"
