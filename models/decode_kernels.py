@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from models import layers, train_layout
+from models import cpu_forms, layers, train_layout
 from models.cpu_forms import batched_product, bits_take, product, row_major, transposed
 from models.kernels import by_platform, narrow_by_platform
 
@@ -67,19 +67,20 @@ def step_layout_pays(platform: str, block_bytes: int, rows: int, dtype="float32"
     """Whether the decoder should build the step layout for a batch of `rows` in `dtype`: on
     CPU, for block kernels of at most STEP_LAYOUT_MAX_BYTES (the copy is held while
     generating) and at most STEP_LAYOUT_MAX_ROWS rows (a larger batch is not bound by the
-    weight stream); in a narrow dtype, for one row only.
+    weight stream); in a narrow dtype, on a CPU without AMX (`cpu_forms.amx`), for one row only.
 
-    A narrow kernel multiplies several rows fastest as stored (`_stored_product`). The real
-    Gemma 3 270M, bfloat16, 32 + 64 tokens, with the layout vs as stored (a 2-core AMD EPYC
-    with AVX512-BF16, no AMX; interleaved, ad hoc): batch 2 49.8 vs 44.3 ms a step, batch 4
-    51.1 vs 46.5, batch 8 54.7 vs 51.5, each call ~90 ms less to start; batch 1 23.1 vs
-    45.4 ms, where the layout's rows are read by a vector-matrix loop. In float32 the layout
-    still pays at batch 4 (48.8 vs 53.1 ms). Beyond the layout's rows, where the plain
-    einsum widened the narrow kernels, batch 32 went from 111.7 to 90.8 ms a step. Not
-    measured on an AMX Xeon, where the layout was chosen (in float32)."""
+    Without AMX a narrow kernel multiplies several rows fastest as stored (`_stored_product`).
+    The real Gemma 3 270M, bfloat16, 32 + 64 tokens, with the layout vs as stored (a 2-core AMD
+    EPYC with AVX512-BF16, no AMX; interleaved, ad hoc): batch 2 49.8 vs 44.3 ms a step, batch
+    4 51.1 vs 46.5, batch 8 54.7 vs 51.5, each call ~90 ms less to start; batch 1 23.1 vs
+    45.4 ms, where the layout's rows are read by a vector-matrix loop. With AMX the layout
+    wins at every batch (a 2-core Xeon, the same way, the whole call over 64 steps): batch 2
+    31.6 vs 44.2 ms, 4 34.1 vs 44.4, 8 39.3 vs 50.3. In float32 the layout pays at batch 4 on
+    both (48.8 vs 53.1 ms on the EPYC). Beyond the layout's rows, where the plain einsum
+    widened the narrow kernels, batch 32 went from 111.7 to 90.8 ms a step (the EPYC)."""
     narrow = jnp.dtype(dtype).itemsize < 4
     return (platform == "cpu" and block_bytes <= STEP_LAYOUT_MAX_BYTES
-            and rows <= (1 if narrow else STEP_LAYOUT_MAX_ROWS))
+            and rows <= (1 if narrow and not cpu_forms.amx() else STEP_LAYOUT_MAX_ROWS))
 
 
 _PER_HEAD = "BTH,NHD->BTND"  # the query/key/value projections
@@ -149,27 +150,31 @@ def _per_head(kernel, x):
 def matmul_rows(rows, x):
     """rows [O, I], x [B, I] -> x @ rows^T [B, O].
 
-    One row (B = 1) is a vector-matrix product, x[0] @ rows^T with a float32 result, which
-    XLA:CPU writes as one loop that reads each row of `rows` once and multiplies it in place,
-    in either dtype: as fast as the table can be read. The barrier ties the rows to x, which
-    changes every step, so XLA does not hoist the conversion of the whole of `rows` out of the
-    decode loop (and keep it) but converts each row as it reads it. The real Gemma 3 270M's
-    bfloat16 tied table [262144, 640]: 32.1 -> 12.5 ms, an FFN kernel [640, 2048] 0.37 -> 0.07
-    ms (float32: 26.8 -> 22.1 ms, and equal on the block kernels); a 2-core AMD EPYC, measured
-    ad hoc.
-
     Several rows are computed as rows @ x^T; the barrier stops XLA from folding the output
     transpose back into the dot (which would undo the layout). Narrow rows need x^T written
     out row-major and a float32 result, XLA:CPU's one fast bfloat16 form (models/cpu_forms.py).
     The 270M's bfloat16 tied table took 170 ms at batch 4 that way round, 13 ms this way
-    (float32: 36 ms), on a 2-core AMX-BF16 Xeon."""
-    if x.shape[0] == 1:
+    (float32: 36 ms), on a 2-core AMX-BF16 Xeon.
+
+    One row (B = 1) is a vector-matrix product, x[0] @ rows^T with a float32 result, which
+    XLA:CPU writes as one loop that reads each row of `rows` once and multiplies it in place,
+    in either dtype. The barrier ties the rows to x, which changes every step, so XLA does not
+    hoist the conversion of the whole of `rows` out of the decode loop (and keep it) but
+    converts each row as it reads it. The real Gemma 3 270M's bfloat16 tied table [262144,
+    640]: 32.1 -> 12.5 ms, an FFN kernel [640, 2048] 0.37 -> 0.07 ms (float32: 26.8 -> 22.1
+    ms, and equal on the block kernels); a 2-core AMD EPYC, measured ad hoc. On a CPU with AMX
+    (`cpu_forms.amx`) a narrow row goes in as two rows of the fast form instead: the table
+    18.0 -> 12.9 ms, and the 270M's bfloat16 batch-1 generate call (32 + 64 tokens) 3.00 ->
+    1.92 s (float32 gained 2%: 4.58 -> 4.46 s, not taken), on a 2-core Xeon."""
+    narrow = jnp.dtype(rows.dtype) != jnp.float32
+    if x.shape[0] == 1 and not (narrow and cpu_forms.amx()):
         rows, x = jax.lax.optimization_barrier((rows, x))
         return jnp.dot(x[0], rows.T, preferred_element_type=jnp.float32)[None].astype(x.dtype)
-    if jnp.dtype(rows.dtype) == jnp.float32:
+    if not narrow:
         return jax.lax.optimization_barrier(rows @ x.T).T
-    y = jnp.dot(rows, row_major(x.T), preferred_element_type=jnp.float32)
-    return jax.lax.optimization_barrier(y).T.astype(x.dtype)
+    xs = jnp.concatenate([x, x]) if x.shape[0] == 1 else x
+    y = jnp.dot(rows, row_major(xs.T), preferred_element_type=jnp.float32)
+    return jax.lax.optimization_barrier(y).T[:x.shape[0]].astype(x.dtype)
 
 
 # --- Attention over the KV cache ----------------------------------------------------------------

@@ -58,3 +58,16 @@ def test_bits_take_gathers_as_jnp_take():
     got = jax.jit(cpu_forms.bits_take)(table, ids)
     assert got.dtype == jnp.bfloat16 and np.isnan(np.float32(got[1, 1:])).all()
     np.testing.assert_array_equal(got, jnp.take(table, ids, axis=0))
+
+
+def test_amx_is_read_from_the_cpus_flags(tmp_path):
+    """The flag itself, not a flag it begins (amx_bf16 is what XLA:CPU's bfloat16 kernels use;
+    amx_tile alone is not enough); no cpuinfo (not Linux) reads as no AMX."""
+    def cpu(flags: str) -> str:
+        f = tmp_path / f"cpuinfo{len(list(tmp_path.iterdir()))}"
+        f.write_text(f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+        return str(f)
+    assert cpu_forms.amx(cpu("fpu avx512f amx_bf16 amx_tile avx512_bf16"))
+    assert not cpu_forms.amx(cpu("fpu avx512f avx512_bf16 amx_tile"))
+    assert not cpu_forms.amx(cpu("fpu amx_bf16x"))
+    assert not cpu_forms.amx(str(tmp_path / "none"))

@@ -8,11 +8,21 @@ import numpy as np
 import pytest
 
 from fast_form import NARROW_KERNEL_CHOICES, dot_operand_types, narrow
-from models import decode_kernels, layers
+from models import cpu_forms, decode_kernels, layers
 from models.gemma import PRESETS, Gemma, init_cache
 
 TINY = PRESETS["gemma_tiny"].replace(vocab_size=256, num_layers=1)
 BF16_DECODE = TINY.replace(vocab_size=1024, dtype="bfloat16")  # `_bfloat16_generate_hlo`'s model
+
+
+@pytest.fixture(params=[False, True], ids=["no_amx", "amx"])
+def amx(request, monkeypatch):
+    """Each kind of CPU the decoder tells apart (`cpu_forms.amx`), whatever this machine is."""
+    from jaxlm import decode
+    monkeypatch.setattr(cpu_forms, "amx", lambda: request.param)
+    decode._compiled.cache_clear(), jax.clear_caches()  # programs traced for the other kind
+    yield request.param
+    decode._compiled.cache_clear(), jax.clear_caches()
 
 
 @pytest.mark.parametrize("eq, kernel, x", [
@@ -82,15 +92,17 @@ def test_init_on_a_single_token_builds_no_step_layout():
     assert set(variables) == {"params"}
 
 
-def test_the_step_layout_is_built_for_small_models_and_batches_on_cpu_only():
+def test_the_step_layout_is_built_for_small_models_and_batches_on_cpu_only(amx):
     most, rows = decode_kernels.STEP_LAYOUT_MAX_BYTES, decode_kernels.STEP_LAYOUT_MAX_ROWS
     assert decode_kernels.step_layout_pays("cpu", most, rows) and decode_kernels.step_layout_pays("cpu", 1, 4)
     assert not decode_kernels.step_layout_pays("cpu", most + 1, 4)
     assert not decode_kernels.step_layout_pays("cpu", 1, rows + 1)  # the demo's 40-prompt evaluation
     assert not decode_kernels.step_layout_pays("tpu", 1, 4) and not decode_kernels.step_layout_pays("gpu", 1, 4)
-    # narrow kernels: one row only (several multiply as stored)
+    # narrow kernels: without AMX one row only (several multiply as stored)
     assert decode_kernels.step_layout_pays("cpu", 1, 1, "bfloat16")
-    assert not decode_kernels.step_layout_pays("cpu", 1, 2, "bfloat16")
+    assert decode_kernels.step_layout_pays("cpu", 1, 2, "bfloat16") == amx
+    assert decode_kernels.step_layout_pays("cpu", 1, rows, "bfloat16") == amx
+    assert not decode_kernels.step_layout_pays("cpu", 1, rows + 1, "bfloat16")
 
 
 @pytest.mark.parametrize("eq, kernel, x", [
@@ -116,9 +128,10 @@ def test_narrow_kernels_without_the_layout_multiply_as_stored(eq, kernel, x):
 
 
 @pytest.mark.parametrize("batch", [4, 32])
-def test_a_bfloat16_decode_loop_multiplies_only_in_the_fast_form(batch):
+def test_a_bfloat16_decode_loop_multiplies_only_in_the_fast_form(batch, amx):
     """Every product of a bfloat16 generate program on CPU takes bfloat16 operands, at 4 rows
-    (as stored, no step layout) and beyond the step layout's rows: none widens its weights."""
+    (through the step layout with AMX, as stored without) and beyond the step layout's rows:
+    none widens its weights."""
     assert set(dot_operand_types(_bfloat16_generate_hlo(batch))) == {"bf16"}
 
 
@@ -210,7 +223,7 @@ def test_the_cache_attention_kernel_is_chosen_by_platform_and_dtype(platform, dt
 
 @pytest.mark.parametrize("b", [1, 4])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_decode_products_equal_the_einsum(b, dtype):
+def test_decode_products_equal_the_einsum(b, dtype, amx):
     """rows @ x^T (the step layout's and the tied logits' product) equals x @ rows^T, to
     bfloat16 rounding where narrow."""
     rows, x = (a.astype(dtype) for a in narrow((96, 40), (b, 40)))
@@ -221,15 +234,15 @@ def test_decode_products_equal_the_einsum(b, dtype):
     np.testing.assert_allclose(np.float32(got), want, rtol=tol, atol=tol * np.abs(want).max())
 
 
-def test_bfloat16_decode_products_multiply_the_rows_in_place():
+def test_bfloat16_decode_products_multiply_the_rows_in_place(amx):
     """Compiled, a narrow product with several rows of x is one dot of bfloat16 operands
-    (XLA:CPU's fast form; the plain product widens), and with one row a loop that reads the
-    bfloat16 rows in place: no float32 copy of them in either."""
+    (XLA:CPU's fast form; the plain product widens), and with one row, without AMX, a loop
+    that reads the bfloat16 rows in place: no float32 copy of them in either."""
     for b in (1, 4):
         rows, x = narrow((96, 40), (b, 40))
         hlo = jax.jit(decode_kernels.matmul_rows).lower(rows, x).compile().as_text()
         assert "f32[96,40]" not in _written(hlo)
-        if b == 1:
+        if b == 1 and not amx:
             assert any("_dot_fusion" in line and "fusion(%rows" in line and "kind=kLoop" in line
                        for line in hlo.split("ENTRY")[1].splitlines())
         else:
@@ -239,7 +252,7 @@ def test_bfloat16_decode_products_multiply_the_rows_in_place():
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-def test_a_bfloat16_decode_loop_holds_no_float32_copy_of_the_table(batch):
+def test_a_bfloat16_decode_loop_holds_no_float32_copy_of_the_table(batch, amx):
     """The compiled generate program of a bfloat16 Gemma on CPU reads its tied table in place,
     for the lookup (as bits) and for the logits: XLA:CPU otherwise widened the whole table
     to float32 once a call and kept it for the loop (the 270M: 671 MB and ~160 ms a call)."""
