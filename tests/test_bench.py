@@ -6,6 +6,7 @@ here; the measured tables and their commands are in bench/README.md.
 """
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -144,6 +145,7 @@ def test_real_model_bench_runs_all_three_frameworks_on_a_tiny_gemma3():
     assert "real_train_lora_t16" in lines
     assert "jaxlm vs hf: max |diff|" in out and "jaxlm vs keras: max |diff|" in out
     assert_names_its_host(out)
+    assert re.search(r"versions: jax=\S+ .*torch=\S+ transformers=\S+ peft=\S+ .*keras-hub=\S+", out)
     for name in ("real_train_lora_t32", "real_decode_b2"):
         fields = lines[name]
         assert positive(fields["vs_hf"]) == pytest.approx(
