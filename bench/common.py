@@ -91,3 +91,16 @@ def host_line() -> str:
     family = f" (family {info['cpu family']} model {info['model']})" if "cpu family" in info else ""
     avx512 = " avx512" if "avx512f" in info.get("flags", "").split() else ""
     return f"host: {name}{family}{avx512}, {os.cpu_count()} cores"
+
+
+def versions_line() -> str:
+    """Which releases of the libraries the frameworks run on: the peers' speed moves with them
+    (HF transformers' bfloat16 steps, bench/README.md "a fifth session")."""
+    from importlib import metadata
+    found = []
+    for name in ("jax", "jaxlib", "torch", "transformers", "peft", "keras", "keras-hub"):
+        try:
+            found.append(f"{name}={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return "versions: " + " ".join(found)

@@ -74,7 +74,8 @@ import numpy as np  # noqa: E402
 import jaxlm  # noqa: E402
 from jaxlm import decode  # noqa: E402
 from jaxlm.convert import __main__ as convert  # noqa: E402
-from bench.common import allocator_line, host_line, matmul_peak, model_flops_per_token, timed  # noqa: E402
+from bench.common import (allocator_line, host_line, matmul_peak, model_flops_per_token,  # noqa: E402
+                          timed, versions_line)
 from bench.train_step import interleaved, jaxlm_runner, keras_runner  # noqa: E402
 from jaxlm.train import trainer  # noqa: E402
 
@@ -301,18 +302,6 @@ def fmt(x) -> str:
     return "nan" if x is None or x != x else f"{x:.1f}"
 
 
-def versions() -> str:
-    """The installed version of each library the frameworks run on, as `name=version ...`."""
-    from importlib import metadata
-    found = []
-    for name in ("jax", "jaxlib", "torch", "transformers", "peft", "keras", "keras-hub"):
-        try:
-            found.append(f"{name}={metadata.version(name)}")
-        except metadata.PackageNotFoundError:
-            pass
-    return " ".join(found)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS))
@@ -362,7 +351,7 @@ def main(argv=None) -> int:
         src = prepare(args.tiny, workdir)
         peak = matmul_peak(sizes=(512,) if args.quick else (1024, 2048, 4096), dtype=args.dtype)
         print(f"measured {args.dtype} matmul peak: {peak / 1e9:.1f} GFLOP/s")
-        print("versions:", versions())  # the peers' speed moves with their releases
+        print(versions_line())
         models = {f: load(f, src, args.dtype) for f in frameworks}
         cfg = models["jaxlm"][0].config if "jaxlm" in models else jaxlm.load(src["jaxlm"], abstract=True)[0].config
         print(f"model: {'tiny random Gemma 3' if args.tiny else 'Gemma 3 270M (demo GGUF)'}, "
