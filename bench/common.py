@@ -9,6 +9,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from models import cpu_forms
+
 # Dense bf16 spec peaks per JAX device (FLOP/s, HBM bytes/s), from the published TPU and NVIDIA datasheet figures).
 # On v2/v3 a JAX device is one core (half a chip); v4/v5p use megacore (a device is a chip).
 PEAKS = {
@@ -90,7 +92,8 @@ def host_line() -> str:
     name = info.get("model name") or platform.processor() or platform.machine()
     family = f" (family {info['cpu family']} model {info['model']})" if "cpu family" in info else ""
     avx512 = " avx512" if "avx512f" in info.get("flags", "").split() else ""
-    return f"host: {name}{family}{avx512}, {os.cpu_count()} cores"
+    amx = " amx_bf16" if cpu_forms.amx() else ""  # the decoder's bfloat16 products follow it
+    return f"host: {name}{family}{avx512}{amx}, {os.cpu_count()} cores"
 
 
 def versions_line() -> str:

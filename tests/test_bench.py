@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from models import cpu_forms
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -37,6 +39,7 @@ def assert_names_its_host(stdout: str):
             model = next((line.split(":", 1)[1].strip() for line in f
                           if line.startswith("model name")), "")
         assert model in host[0], (model, host)
+    assert ("amx_bf16" in host[0]) == cpu_forms.amx(), host  # the decoder's path depends on it
 
 
 def positive(value: str) -> float:
