@@ -215,6 +215,39 @@ def test_weights_with_holes_equal_naive(chunk):
     assert not np.asarray(grads[0])[np.asarray(w) == 0].any()
 
 
+@pytest.mark.parametrize("cap", [None, 0.5])
+@pytest.mark.parametrize("columns", [False, True])
+def test_a_frozen_tables_hidden_gradient_projects_the_target_term_apart(cap, columns):
+    """With the table frozen, d_hidden = (softmax * w) @ emb - w * emb[target] (times tanh'
+    under the cap): equal to the naive loss's, weights with holes and a fractional one, through
+    the table as stored and as the train layout's [H, V] columns."""
+    hidden, emb, y, w = _scattered()
+    kw = {"columns": emb.T} if columns else {}
+    f = lambda hh: L.chunked_cross_entropy(hh, emb, y, w, chunk_size=4, logit_soft_cap=cap,  # noqa: E731
+                                           **kw)["loss_sum"]
+    capped = (lambda x: x) if cap is None else (lambda x: jnp.tanh(x / cap) * cap)
+    naive = lambda hh: L.naive_cross_entropy(capped(hh @ emb.T), y, w)["loss_sum"]  # noqa: E731
+    np.testing.assert_allclose(float(f(hidden)), float(naive(hidden)), rtol=1e-5)
+    np.testing.assert_allclose(jax.grad(f)(hidden), jax.grad(naive)(hidden), rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_logits_through_the_columns_take_their_max_before_rounding():
+    """The max of the rounded logits is taken from the float32 product (rounding is monotone):
+    loss and argmax hits equal those of the rounded logits exactly, ties from the rounding
+    included (first index wins)."""
+    hidden, emb, y, _ = _scattered(t=64, v=200, seed=4)
+    hidden, emb = hidden.astype(jnp.bfloat16), (emb * 4).astype(jnp.bfloat16)
+    rounded = jnp.dot(hidden, emb.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    y = jnp.argmax(rounded, axis=-1)  # every target at a row's top: ties decide the hits
+    ties = (rounded == rounded.max(-1, keepdims=True)).sum(-1) > 1
+    w = jnp.ones(y.shape, jnp.float32)
+    m = jax.jit(lambda hh: L.chunked_cross_entropy(hh, emb, y, w, chunk_size=16, columns=emb.T))(hidden)
+    ref = L.naive_cross_entropy(rounded, y, w)
+    assert bool(ties.any())
+    assert float(m["correct"]) == float(ref["correct"]) == y.size
+    np.testing.assert_allclose(float(m["loss_sum"]), float(ref["loss_sum"]), rtol=1e-5)
+
+
 def test_only_chunks_with_a_weighted_target_are_projected(monkeypatch):
     """The vocabulary projection runs for the chunks the fullest row's weighted targets fill,
     counted at run time: 3 targets in a row, chunks of 4 -> one projection of the four chunks

@@ -17,6 +17,8 @@ front (a stable sort along the sequence, so batch sharding is untouched) and the
 runs only as far as the fullest row needs. Instruction tuning scores few positions: the demo's
 rows (response-only loss, 8 x 40) weight 7% of them, and its batches need 1-2 chunks of 8.
 
+One chunk's block of logits, its sums and its gradient: jaxlm/train/logit_block.py.
+
 Losses here return SUMS plus the token count; callers divide by the total count, which is what
 makes gradient accumulation exact (see jaxlm/train/step.py).
 """
@@ -29,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
+from jaxlm.train import logit_block
 from models import cpu_forms, kernels, train_layout
 
 
@@ -129,69 +132,14 @@ def scored_first(hidden, targets, weights):
             jnp.take_along_axis(targets, order, axis=1), jnp.take_along_axis(weights, order, axis=1))
 
 
-def _chunk_logits(h_c, emb, columns, cap):
-    """-> (float32 logits [B, C, V] after the cap, tanh(logits / cap) or None)."""
-    b, c, h = h_c.shape
-    flat = h_c.reshape(b * c, h)
-    if columns is None:
-        logits = kernels.tied_logits(flat, emb)
-    else:  # rounded to the compute dtype, as the product above
-        logits = jnp.dot(flat, columns, preferred_element_type=jnp.float32).astype(h_c.dtype)
-    return _capped(logits.astype(jnp.float32).reshape(b, c, -1), cap)
-
-
-def _capped(logits, cap):
-    """-> (logits after the cap, tanh(logits / cap) or None)."""
-    if cap is None:
-        return logits, None
-    th = jnp.tanh(logits / cap)
-    return th * cap, th
-
-
-def _chunk_sums(logits, y_c, w_c, axis=-1):
-    """-> (weighted CE sum, weighted argmax hits, logsumexp) of float32 logits [B, C, V] (or
-    any layout with the vocabulary on `axis`; y_c, w_c and the logsumexp lack that axis).
-
-    After the max, one variadic reduction over the last axis takes both the sum of
-    exp(logits - max) and the first index reaching the max (`jnp.argmax`'s tie rule; a NaN
-    row gives its last index): one read of the block instead of two, and XLA:CPU's plain loop
-    beats its YNNPACK sum (the bench-config loss: 25 ms less per step, bench/README.md). Over
-    a leading axis that loop walks columns, and two reductions are ~6x faster ([262144, 256]
-    float32 logits: ~395 -> ~67 ms, ad hoc).
-    """
-    axis = axis % logits.ndim
-    top = jnp.max(logits, axis=axis, keepdims=True)
-    shift = jnp.where(jnp.isfinite(top), top, 0.0)  # as jax.nn.logsumexp: an all -inf row is -inf
-    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, axis)
-    last = logits.shape[axis] - 1
-    exp, at_top = jnp.exp(logits - shift), jnp.where(logits == top, index, last)
-    if axis == logits.ndim - 1:
-        total, first = jax.lax.reduce((exp, at_top), (jnp.float32(0), jnp.int32(last)),
-                                      lambda a, b: (a[0] + b[0], jnp.minimum(a[1], b[1])), (axis,))
-    else:
-        total, first = jnp.sum(exp, axis=axis), jnp.min(at_top, axis=axis)
-    lse = jnp.log(total) + jnp.squeeze(shift, axis)
-    target_logit = jnp.squeeze(jnp.take_along_axis(logits, jnp.expand_dims(y_c, axis), axis=axis), axis)
-    hit = (first == y_c).astype(jnp.float32) * w_c
-    return ((lse - target_logit) * w_c).sum(), hit.sum(), lse
-
-
-def _logit_gradient(logits, lse, y_c, w_c, th, axis=-1):
-    """dCE/dlogits = (softmax - onehot) * weight (* tanh' under the cap), float32, the
-    vocabulary on `axis` of logits (and th); lse, y_c, w_c lack it."""
-    axis = axis % logits.ndim
-    target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, axis) == jnp.expand_dims(y_c, axis)
-    d = (jnp.exp(logits - jnp.expand_dims(lse, axis)) - target) * jnp.expand_dims(w_c, axis)
-    return d if th is None else d * (1.0 - th * th)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _fused_ce(h, emb, columns, y, w, live, cap):
     """h [n, B, C, H], emb [V, H], columns [H, V] or None, y/w [n, B, C], live int32 [] ->
     (loss_sum, correct) over the first `live` chunks (the rest carry no weight); no [B, T, V]
     is kept."""
     def body(i, carry):
-        ce, hit, _ = _chunk_sums(_chunk_logits(h[i], emb, columns, cap)[0], y[i], w[i])
+        logits, _, top = logit_block.project(h[i], emb, columns, cap)
+        ce, hit, _ = logit_block.sums(logits, y[i], w[i], top=top)
         return carry[0] + ce, carry[1] + hit
     zero = jnp.zeros((), jnp.float32)
     return jax.lax.fori_loop(0, live, body, (zero, zero))
@@ -244,13 +192,16 @@ def _chunk_loop(h, live, d_emb, chunk, keep=lambda d_emb, part, i: d_emb + part)
 def _token_major(h_c, emb, columns, y_c, w_c, cap, train_emb=True):
     """One chunk's (ce, hits, float32 d_h_c [B, C, H], d_emb_c [H, V] or None), the logits
     [B, C, V]."""
-    logits, th = _chunk_logits(h_c, emb, columns, cap)
-    ce, hit, lse = _chunk_sums(logits, y_c, w_c)
-    d = _logit_gradient(logits, lse, y_c, w_c, th).astype(h_c.dtype)
+    logits, th, top = logit_block.project(h_c, emb, columns, cap)
+    ce, hit, lse = logit_block.sums(logits, y_c, w_c, top=top)
+    # without a table gradient, d_h alone needs the target's term: projected apart
+    d = logit_block.logit_gradient(logits, lse, y_c, w_c, th, onehot=train_emb)
+    d = d.astype(h_c.dtype)
     # float32 out: XLA:CPU then multiplies a bfloat16 table in place, not a widened copy
     b, c, v = d.shape
     d_h_c = kernels.tied_hidden_gradient(d.reshape(b * c, v), emb).reshape(b, c, -1)
     if not train_emb:
+        d_h_c = d_h_c + logit_block.target_term(logits, lse, y_c, w_c, th, emb, d.dtype)
         return ce, hit, d_h_c, None
     return ce, hit, d_h_c, jnp.einsum("BCH,BCV->HV", h_c, d, preferred_element_type=jnp.float32)
 
@@ -267,7 +218,7 @@ def _cpu_vocab_major(h, emb, y, w, live, cap):
     emb^T @ d, against a copy of the table written out transposed once per step (a
     table-sized bfloat16 buffer more while the loss runs). The real Gemma 3 270M's bfloat16
     full fine-tune step at 8 x 128 tokens: ~5.4 -> ~4.5 s, with the reductions over the
-    vocabulary as `_chunk_sums` does them on a leading axis (an A/B, ad hoc; the bench line is
+    vocabulary as `logit_block.sums` does them on a leading axis (an A/B, ad hoc; the bench line is
     `BENCH real_bf16_train_full_t128`, bench/README.md).
 
     The table gradient sums d @ h over the chunks. Where every chunk's d [V, B * C] together
@@ -283,9 +234,9 @@ def _cpu_vocab_major(h, emb, y, w, live, cap):
         flat, y_c, w_c = h[i].reshape(b * c, hidden), y[i].reshape(-1), w[i].reshape(-1)
         # rounded to the compute dtype, as the token-major product
         logits = jnp.dot(emb, cpu_forms.transposed(flat), preferred_element_type=jnp.float32)
-        logits, th = _capped(logits.astype(flat.dtype).astype(jnp.float32), cap)
-        ce, hit, lse = _chunk_sums(logits, y_c, w_c, axis=0)
-        d = _logit_gradient(logits, lse, y_c, w_c, th, axis=0).astype(flat.dtype)
+        logits, th = logit_block.capped(logit_block.rounded(logits, flat.dtype), cap)
+        ce, hit, lse = logit_block.sums(logits, y_c, w_c, axis=0)
+        d = logit_block.logit_gradient(logits, lse, y_c, w_c, th, axis=0).astype(flat.dtype)
         # the barrier keeps XLA from folding the transpose into the product as d^T @ columns^T,
         # a form XLA:CPU has no bfloat16 kernel for
         d_h_c = jax.lax.optimization_barrier(jnp.dot(columns, d, preferred_element_type=jnp.float32)).T
