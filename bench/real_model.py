@@ -429,7 +429,7 @@ def train_line(mode: str, seq: int, batch_size: int, rank: int, times: dict, cfg
 def decode_bench(models: dict, vocab: int, args) -> dict:
     """-> {batch: BENCH line} of greedy decoding at each --decode_batches."""
     out = {}
-    for b in (int(x) for x in args.decode_batches.split(",")):
+    for b in (int(x) for x in args.decode_batches.split(",") if x):  # "": no decoding
         prompts = np.random.RandomState(b).randint(3, vocab, (b, PROMPT_LEN)).astype(np.int32)
         gens = {f: decoder(f, m, prompts, args.new_tokens) for f, m in models.items()}
         outputs = {f: g() for f, g in gens.items()}  # warm-up (compiles)
