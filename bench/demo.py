@@ -65,8 +65,9 @@ def main() -> None:
     p.add_argument("--only", choices=("one", "two"), help="run one of the two commands")
     a = p.parse_args(argv[:cut])
     extra = argv[cut + 1:]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import host_line
+    # the repository root, as the other bench scripts: bench.common imports models
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench.common import host_line
     print(host_line(), flush=True)
     wrap = [sys.executable, os.path.abspath(__file__), "--peak", "--", sys.executable]
     one = None
