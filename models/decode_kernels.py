@@ -162,12 +162,16 @@ def matmul_rows(rows, x):
     hoist the conversion of the whole of `rows` out of the decode loop (and keep it) but
     converts each row as it reads it. The real Gemma 3 270M's bfloat16 tied table [262144,
     640]: 32.1 -> 12.5 ms, an FFN kernel [640, 2048] 0.37 -> 0.07 ms (float32: 26.8 -> 22.1
-    ms, and equal on the block kernels); a 2-core AMD EPYC, measured ad hoc. On a CPU with AMX
-    (`cpu_forms.amx`) a narrow row goes in as two rows of the fast form instead: the table
-    18.0 -> 12.9 ms, and the 270M's bfloat16 batch-1 generate call (32 + 64 tokens) 3.00 ->
-    1.92 s (float32 gained 2%: 4.58 -> 4.46 s, not taken), on a 2-core Xeon."""
+    ms, and equal on the block kernels); a 2-core AMD EPYC, measured ad hoc.
+
+    On the 2-core Xeon with AMX (`cpu_forms.amx` tells the two hosts measured apart) that loop
+    is the slow form: a narrow row goes in as two rows of the fast form (the table 18.0 ->
+    12.9 ms; the 270M's bfloat16 batch-1 generate call, 32 + 64 tokens, 3.00 -> 1.92 s), and
+    a float32 row as rows @ x^T, XLA's matrix-vector dot (in the float32 batch-1 call the
+    loop read the table in ~36 ms a step and each block kernel in ~0.65 ms, the dot in ~25
+    and ~0.30: 4.62 -> 3.30 s a call, 72 -> 52 ms a step; ad hoc, interleaved, best of 3)."""
     narrow = jnp.dtype(rows.dtype) != jnp.float32
-    if x.shape[0] == 1 and not (narrow and cpu_forms.amx()):
+    if x.shape[0] == 1 and not cpu_forms.amx():
         rows, x = jax.lax.optimization_barrier((rows, x))
         return jnp.dot(x[0], rows.T, preferred_element_type=jnp.float32)[None].astype(x.dtype)
     if not narrow:

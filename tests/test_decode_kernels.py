@@ -251,6 +251,17 @@ def test_bfloat16_decode_products_multiply_the_rows_in_place(amx):
     assert "f32" in wide  # what the plain product compiles to
 
 
+def test_a_float32_row_is_a_loop_without_amx_and_a_dot_with_it(amx):
+    """One float32 row: the vector-matrix loop (a kLoop fusion reading the rows in place) where
+    it is the fast form, XLA's matrix-vector dot on the AMX Xeon, where the loop read the
+    weights at half its speed (see `matmul_rows`)."""
+    rows, x = (a.astype("float32") for a in narrow((96, 40), (1, 40)))
+    entry = jax.jit(decode_kernels.matmul_rows).lower(rows, x).compile().as_text().split("ENTRY")[1]
+    loop = any("_dot_fusion" in line and "kind=kLoop" in line for line in entry.splitlines())
+    assert loop == (not amx)
+    assert any(re.search(r"= f32\[96,1\]\{[\d,]*\} dot\(", line) for line in entry.splitlines()) == amx
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_a_bfloat16_decode_loop_holds_no_float32_copy_of_the_table(batch, amx):
     """The compiled generate program of a bfloat16 Gemma on CPU reads its tied table in place,
