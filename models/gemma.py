@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from models import decode_kernels, kernels, layers
+from models import decode_kernels, ffn_kernels, kernels, layers
 
 Cache = dict  # {"decoder_block_{i}": {"k": [B, S, K, D], "v": [B, S, K, D]}}
 
@@ -174,7 +174,7 @@ def feed_forward(cfg: GemmaConfig, x):
     h, f = cfg.hidden_dim, cfg.ffw_dim
     gating, gating_2 = (layers.Einsum((h, f), dtype, name=n) for n in ("ffw_gating", "ffw_gating_2"))
     linear = layers.Einsum((f, h), dtype, name="ffw_linear")
-    return kernels.gated_ffn(x, gating, gating_2, linear)
+    return ffn_kernels.gated_ffn(x, gating, gating_2, linear)
 
 
 class DecoderBlock(nn.Module):

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import Mesh
 
 from fast_form import NARROW_KERNEL_CHOICES, dot_operand_types, narrow
-from models import kernels, layers, train_layout
+from models import ffn_kernels, kernels, layers, train_layout
 from models.gemma import PRESETS, Gemma
 
 TINY = PRESETS["gemma_tiny"].replace(vocab_size=256, num_layers=1)
@@ -19,9 +19,9 @@ def test_cpu_ffn_backward_equals_autodiff():
     x = jax.random.normal(keys[0], (24, 16))
     ws = [jax.random.normal(k, s) * 0.5 for k, s in zip(keys[1:4], [(16, 40), (16, 40), (40, 16)])]
     d_out = jax.random.normal(keys[4], (24, 16))
-    np.testing.assert_allclose(kernels._cpu_gated_ffn(x, *ws), layers.gated_ffn(x, *ws),
+    np.testing.assert_allclose(ffn_kernels._cpu_gated_ffn(x, *ws), layers.gated_ffn(x, *ws),
                                rtol=1e-6, atol=1e-6)
-    _, ours = jax.vjp(kernels._cpu_gated_ffn, x, *ws)
+    _, ours = jax.vjp(ffn_kernels._cpu_gated_ffn, x, *ws)
     _, reference = jax.vjp(layers.gated_ffn, x, *ws)
     for a, b in zip(ours(d_out), reference(d_out)):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
@@ -34,10 +34,10 @@ def test_frozen_ffn_kernels_get_no_gradient_work():
     x = jax.random.normal(jax.random.key(0), (6, 4))
     ws = [jax.random.normal(jax.random.key(i), s) for i, s in ((1, (4, 10)), (2, (4, 10)), (3, (10, 4)))]
     loss = lambda f: lambda x, *w: f(x, *w).sum()  # noqa: E731
-    frozen = str(jax.make_jaxpr(jax.grad(loss(kernels._cpu_gated_ffn)))(x, *ws))
-    trained = str(jax.make_jaxpr(jax.grad(loss(kernels._cpu_gated_ffn), argnums=(0, 1, 2, 3)))(x, *ws))
+    frozen = str(jax.make_jaxpr(jax.grad(loss(ffn_kernels._cpu_gated_ffn)))(x, *ws))
+    trained = str(jax.make_jaxpr(jax.grad(loss(ffn_kernels._cpu_gated_ffn), argnums=(0, 1, 2, 3)))(x, *ws))
     assert "f32[4,10] = dot_general" not in frozen and "f32[4,10] = dot_general" in trained
-    np.testing.assert_allclose(jax.grad(loss(kernels._cpu_gated_ffn))(x, *ws),
+    np.testing.assert_allclose(jax.grad(loss(ffn_kernels._cpu_gated_ffn))(x, *ws),
                                jax.grad(loss(layers.gated_ffn))(x, *ws), rtol=1e-5, atol=1e-5)
 
 
@@ -58,7 +58,7 @@ def test_every_product_of_the_bfloat16_ffn_kernel_multiplies_bfloat16(monkeypatc
     def types(f):
         return dot_operand_types(jax.jit(lambda *a: grads(f, *a)).lower(
             x, w_gate, w_up, w_down).compile().as_text())
-    ours, plain = types(kernels._cpu_gated_ffn), types(layers.gated_ffn)
+    ours, plain = types(ffn_kernels._cpu_gated_ffn), types(layers.gated_ffn)
     assert len(ours) >= 2 * 9 and set(ours) == {"bf16"}
     assert "f32" in plain
     exact = grads(layers.gated_ffn, *(a.astype(jnp.float32) for a in (x, w_gate, w_up, w_down)))
@@ -66,7 +66,7 @@ def test_every_product_of_the_bfloat16_ffn_kernel_multiplies_bfloat16(monkeypatc
     def error(f):
         got = grads(f, x, w_gate, w_up, w_down)
         return sum(float(np.abs(np.float32(g) - e).max() / np.abs(e).max()) for g, e in zip(got, exact))
-    assert error(kernels._cpu_gated_ffn) <= 1.2 * error(layers.gated_ffn) + 1e-3
+    assert error(ffn_kernels._cpu_gated_ffn) <= 1.2 * error(layers.gated_ffn) + 1e-3
 
 
 def test_narrow_ffn_kernels_go_a_slice_at_a_time_with_the_same_values_and_gradients(monkeypatch):
@@ -77,7 +77,7 @@ def test_narrow_ffn_kernels_go_a_slice_at_a_time_with_the_same_values_and_gradie
     assert kernels.slices(16, 64, jnp.bfloat16) == 4 and kernels.slices(16, 64, jnp.float32) == 1
     ws = (w_gate, w_up, w_down)
     wide = [a.astype(jnp.float32) for a in (x, *ws, d_out)]
-    ours, vjp = jax.vjp(kernels._cpu_gated_ffn, x, *ws)
+    ours, vjp = jax.vjp(ffn_kernels._cpu_gated_ffn, x, *ws)
     reference, reference_vjp = jax.vjp(layers.gated_ffn, *wide[:4])
     def close(a, b):  # bfloat16 rounding, on the scale of the array
         np.testing.assert_allclose(np.float32(a), b, rtol=0, atol=0.02 * float(np.abs(b).max()))
@@ -86,7 +86,7 @@ def test_narrow_ffn_kernels_go_a_slice_at_a_time_with_the_same_values_and_gradie
     for a, b in zip(vjp(d_out), reference_vjp(wide[4])):
         assert a.shape == b.shape
         close(a, b)
-    d_x = jax.grad(lambda x: kernels._cpu_gated_ffn(x, *ws).astype(jnp.float32).sum())(x)
+    d_x = jax.grad(lambda x: ffn_kernels._cpu_gated_ffn(x, *ws).astype(jnp.float32).sum())(x)
     close(d_x, jax.grad(lambda x: layers.gated_ffn(x, *wide[1:4]).sum())(wide[0]))
 
 
@@ -138,7 +138,7 @@ def test_no_widened_copy_of_a_narrow_weight_outlives_its_slice(monkeypatch):
     x, w_gate, w_up, w_down, emb = narrow((64, h), (h, f), (h, f), (f, h), (v, h))
     whole = 4 * h * f
     monkeypatch.setattr(kernels, "SLICE_BYTES", whole // 8)
-    ffn_grad = jax.grad(lambda x, *ws: kernels._cpu_gated_ffn(x, *ws).astype(jnp.float32).sum())
+    ffn_grad = jax.grad(lambda x, *ws: ffn_kernels._cpu_gated_ffn(x, *ws).astype(jnp.float32).sum())
     assert _temp_bytes(ffn_grad, x, w_gate, w_up, w_down) < whole
     assert _temp_bytes(kernels._cpu_tied_logits, x, emb) < whole // 2 + 4 * 64 * v
 
@@ -171,6 +171,37 @@ def test_a_bfloat16_lora_step_is_the_same_sliced_or_whole(monkeypatch):
         scale = float(np.abs(np.float32(b)).max())
         assert scale > 0
         np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=0, atol=0.05 * scale)
+
+
+def test_the_narrow_geglu_kernel_rounds_once_and_stays_closer_to_float32():
+    """gelu_tanh(gate) * up and its gradients from bfloat16 gate and up: the CPU kernel's
+    values and gradients are as close to float32's (computed from the same rounded inputs) as
+    the plain math's or closer, and its float32 is the plain math exactly."""
+    gate, up, d = (a * 4 for a in narrow((64, 96), (64, 96), (64, 96)))
+
+    def grads(f, *args):
+        out, vjp = jax.vjp(f, *args)
+        return [out, *vjp(d.astype(out.dtype))]
+    exact = grads(layers.geglu, gate.astype(jnp.float32), up.astype(jnp.float32))
+
+    def errors(f):
+        return [float(np.abs(np.float32(g) - e).max() / np.abs(e).max())
+                for g, e in zip(grads(jax.jit(f), gate, up), exact)]
+    ours, plain = errors(ffn_kernels._cpu_geglu), errors(layers.geglu)
+    assert all(o <= p for o, p in zip(ours, plain)) and sum(ours) < 0.5 * sum(plain), (ours, plain)
+    assert all(o <= 2 ** -8 for o in ours), ours  # one bfloat16 rounding of each
+    wide = [a.astype(jnp.float32) for a in (gate, up)]
+    for g, e in zip(grads(ffn_kernels._cpu_geglu, *wide), exact):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)  # jax.nn.gelu arranges it apart
+
+
+@pytest.mark.parametrize("platform, cpu_kernel", [("cpu", True), ("tpu", False)])
+def test_the_geglu_kernel_is_chosen_by_the_platform_lowered_for_in_a_narrow_dtype(platform, cpu_kernel):
+    gate, up = narrow((4, 16), (4, 16))
+    lowered = jax.jit(ffn_kernels.geglu).trace(gate, up).lower(lowering_platforms=(platform,))
+    assert ("cpu_kernel/_cpu_geglu" in lowered.as_text(debug_info=True)) == cpu_kernel
+    wide = jax.jit(ffn_kernels.geglu).trace(*(a.astype(jnp.float32) for a in (gate, up)))
+    assert "cpu_kernel" not in wide.lower(lowering_platforms=(platform,)).as_text(debug_info=True)
 
 
 @pytest.mark.parametrize("platform, cpu_kernel", [("cpu", True), ("tpu", False)])

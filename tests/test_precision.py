@@ -73,15 +73,20 @@ def test_every_trained_weight_and_both_moments_move_under_bfloat16_compute(tmp_p
     by 5e-5) and Adam's nu stops decaying; float32 master weights keep every one: steps 1 -> 2
     and 2 -> 3 each change every trained weight and both moments, all float32 in the
     checkpoint. ("Every" up to the rare element whose Adam update and weight decay cancel
-    below half an ulp in float32: a handful in 10^5; in bfloat16 about half of them stick.)"""
+    below half an ulp in float32: a handful in 10^5, so at most 1 in 1000 over all of them and
+    1 in 100 in any one leaf, where a LoRA factor of 512 elements may hold one; in bfloat16
+    about half of them stick.)"""
     out = str(tmp_path / "run")
     text = finished(launch(QUICK + [f"--lora_rank={lora_rank}", f"--out={out}"]))
     assert "compute bfloat16" in text and "warning:" not in text
     states = [_checkpoint(out, s) for s in (1, 2, 3)]
     for before, after in zip(states, states[1:]):  # each step moves the weights and moments
+        moved = size = 0
         for (path, a), (_, b) in zip(_leaves(before["trainable"]), _leaves(after["trainable"])):
             assert a.dtype == np.float32, path
-            assert _moved(a, b) > 0.999, jax.tree_util.keystr(path)
+            assert _moved(a, b) > 0.99, jax.tree_util.keystr(path)
+            moved, size = moved + _moved(a, b) * a.size, size + a.size
+        assert moved / size > 0.999
         for m1, m2 in zip(_moments(before), _moments(after)):
             leaves1, leaves2 = jax.tree.leaves(m1), jax.tree.leaves(m2)
             assert leaves1 and len(leaves1) == len(jax.tree.leaves(before["trainable"]))
