@@ -154,7 +154,13 @@ def _gelu_and_slope(gate):
 
 
 def _geglu_backward(gate, up, d_act):
-    """(d_gate, d_up) in gate's dtype from d_act = dLoss/d(geglu), computed in float32."""
+    """(d_gate, d_up) in gate's dtype from d_act = dLoss/d(geglu), computed in float32.
+
+    The barrier keeps XLA from sharing this GELU with the forward pass's: it then kept the
+    forward's float32 tanh [N, F] for the backward and split the forward into three passes (the
+    real Gemma 3 270M's bfloat16 LoRA step at 8 x 128: 1.274 -> 1.133 GiB of temporaries,
+    median 2306 -> 2265 ms, an A/B, ad hoc)."""
+    gate, up = jax.lax.optimization_barrier((gate, up))
     gelu, slope = _gelu_and_slope(gate)
     d_act = d_act.astype(jnp.float32)
     return ((d_act * up.astype(jnp.float32) * slope).astype(gate.dtype),
