@@ -90,13 +90,12 @@ def _cpu_gated_ffn_fwd(x, w_gate, w_up, w_down):
 def _ffn_slice_backward(x, w_gate, w_up, w_down, gate, up, d_out):
     """One slice's float32 d_x and, given x, its kernels' gradients (else None)."""
     d_hidden = jnp.dot(d_out, row_major_t(w_down), preferred_element_type=jnp.float32)
-    d_gate, d_up = _geglu_backward(gate, up, d_hidden)
+    d_gate, d_up, act = _geglu_backward(gate, up, d_hidden)
     d_x = (jnp.dot(d_gate, row_major_t(w_gate), preferred_element_type=jnp.float32)
            + jnp.dot(d_up, row_major_t(w_up), preferred_element_type=jnp.float32))
     if x is None:
         return d_x, None
     x_t = row_major_t(x)
-    act = _geglu_value(gate, up)
     return d_x, (product(x_t, d_gate), product(x_t, d_up), product(row_major_t(d_out), act).T)
 
 
@@ -154,7 +153,9 @@ def _gelu_and_slope(gate):
 
 
 def _geglu_backward(gate, up, d_act):
-    """(d_gate, d_up) in gate's dtype from d_act = dLoss/d(geglu), computed in float32.
+    """(d_gate, d_up) in gate's dtype from d_act = dLoss/d(geglu), computed in float32, and
+    the activation itself (`_geglu_value`'s), which the down kernel's gradient needs, from the
+    same GELU.
 
     The barrier keeps XLA from sharing this GELU with the forward pass's: it then kept the
     forward's float32 tanh [N, F] for the backward and split the forward into three passes (the
@@ -162,10 +163,10 @@ def _geglu_backward(gate, up, d_act):
     median 2306 -> 2265 ms, an A/B, ad hoc)."""
     gate, up = jax.lax.optimization_barrier((gate, up))
     gelu, slope = _gelu_and_slope(gate)
-    d_act = d_act.astype(jnp.float32)
-    return ((d_act * up.astype(jnp.float32) * slope).astype(gate.dtype),
-            (d_act * gelu).astype(up.dtype))
+    d_act, u = d_act.astype(jnp.float32), up.astype(jnp.float32)
+    return ((d_act * u * slope).astype(gate.dtype), (d_act * gelu).astype(up.dtype),
+            (gelu * u).astype(gate.dtype))
 
 
 _cpu_geglu.defvjp(lambda gate, up: (_geglu_value(gate, up), (gate, up)),
-                  lambda res, d_act: _geglu_backward(*res, d_act))
+                  lambda res, d_act: _geglu_backward(*res, d_act)[:2])
