@@ -166,7 +166,10 @@ def whole_hidden_gradient():
     """Trace the loss's hidden gradient as before `tied_hidden_gradient`: one product over V."""
     from models import kernels
     sliced = kernels._cpu_tied_hidden_gradient
-    kernels._cpu_tied_hidden_gradient = kernels._tied_hidden_gradient
+
+    def whole(x, emb, of=lambda d: d):
+        return kernels._tied_hidden_gradient(of(x), emb)
+    kernels._cpu_tied_hidden_gradient = whole
     try:
         yield
     finally:

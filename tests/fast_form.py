@@ -33,3 +33,16 @@ def dots(hlo: str) -> list[tuple[str, str, str, str, str]]:
 def dot_operand_types(hlo: str) -> list[str]:
     """The element types of every dot's operands in compiled HLO text."""
     return [t for lhs, rhs, *_ in dots(hlo) for t in (lhs, rhs)]
+
+
+def buffers(hlo: str) -> set[str]:
+    """The shapes ("bf16[6,40]") that compiled HLO text writes to memory: every instruction's
+    outside the fused computations (whose values live in registers within one loop)."""
+    fused = {part.split(",", 1)[0].split(" ", 1)[0] for part in hlo.split("calls=")[1:]}
+    shapes, inside = set(), False
+    for line in hlo.splitlines():
+        if line.rstrip().endswith("{") and " = " not in line:  # a computation's header
+            inside = line.strip().removeprefix("ENTRY ").split(" ", 1)[0] in fused
+        elif " = " in line and not inside:
+            shapes.add(line.split(" = ", 1)[1].split("{", 1)[0].split(" ", 1)[0])
+    return shapes

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import ragged_batch
-from fast_form import NARROW_KERNEL_CHOICES, dots
+from fast_form import NARROW_KERNEL_CHOICES, buffers, dots
 from jaxlm.train import loss as L
 from models.gemma import Gemma, PRESETS
 
@@ -229,6 +229,30 @@ def test_a_frozen_tables_hidden_gradient_projects_the_target_term_apart(cap, col
     naive = lambda hh: L.naive_cross_entropy(capped(hh @ emb.T), y, w)["loss_sum"]  # noqa: E731
     np.testing.assert_allclose(float(f(hidden)), float(naive(hidden)), rtol=1e-5)
     np.testing.assert_allclose(jax.grad(f)(hidden), jax.grad(naive)(hidden), rtol=1e-5, atol=1e-6)
+
+
+def test_a_frozen_bfloat16_tables_chunk_writes_no_block_but_its_product(monkeypatch):
+    """Through the train layout's columns with the table frozen, a chunk's compiled loss and
+    d_hidden keep one [B, C, V] block, the float32 product: the rounded logits feed the sums
+    and the target's logit is viewed from its gather; d is made a slice at a time inside the
+    hidden gradient's loop. d_hidden equals the one-hot block's, d rounded to bfloat16 and
+    projected in float32."""
+    from models import kernels
+    monkeypatch.setattr(kernels, "HIDDEN_GRADIENT_ROWS", 25)
+    hidden, emb, y, w = _scattered(t=16, v=200, seed=3)
+    hidden, emb = hidden.astype(jnp.bfloat16), (emb * 4).astype(jnp.bfloat16)
+    f = lambda hh: L.chunked_cross_entropy(hh, emb, y, w, chunk_size=8, columns=emb.T)["loss_sum"]  # noqa: E731
+    grad = jax.jit(jax.grad(f))
+    written = buffers(grad.lower(hidden).compile().as_text())
+    assert not {"bf16[3,8,200]", "bf16[24,200]", "f32[200,24]"} & written
+    assert {"f32[24,200]", "f32[3,8,200]"} & written
+
+    logits = jnp.dot(hidden, emb.T, preferred_element_type=jnp.float32)
+    logits = logits.astype(jnp.bfloat16).astype(jnp.float32)
+    d = (jax.nn.softmax(logits, axis=-1) - jax.nn.one_hot(y, 200)) * w[..., None]
+    reference = jnp.dot(d.astype(jnp.bfloat16), emb, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.float32(grad(hidden)), np.float32(reference.astype(jnp.bfloat16)),
+                               rtol=0.02, atol=0.02 * float(jnp.abs(reference).max()))
 
 
 def test_bfloat16_logits_through_the_columns_take_their_max_before_rounding():

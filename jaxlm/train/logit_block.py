@@ -13,20 +13,22 @@ from models import cpu_forms, kernels
 
 
 def project(h_c, emb, columns, cap):
-    """-> (float32 logits [B, C, V] after the cap, tanh(logits / cap) or None, their max over V
-    [B, C, 1] where it comes cheaper than from the logits, else None)."""
+    """-> (float32 product [B, C, V], view, its max over V [B, C, 1] where that comes cheaper
+    than from the logits, else None). view(x) -> (float32 logits after the cap, tanh(logits /
+    cap) or None) acts on each logit alone, so a slice or a gather of the product can be viewed
+    without writing the logits block (`kernels.tied_hidden_gradient`'s `of`)."""
     b, c, h = h_c.shape
     flat = h_c.reshape(b * c, h)
     if columns is None:
-        return *capped(kernels.tied_logits(flat, emb).reshape(b, c, -1), cap), None
-    logits = jnp.dot(flat, columns, preferred_element_type=jnp.float32).reshape(b, c, -1)
+        return kernels.tied_logits(flat, emb).reshape(b, c, -1), lambda x: capped(x, cap), None
+    product = jnp.dot(flat, columns, preferred_element_type=jnp.float32).reshape(b, c, -1)
     # Rounded to the compute dtype, as the product above. Rounding is monotone, so the rounded
     # block's max is the rounded max of the float32 product: taken from it, XLA:CPU reduces the
     # product as it is, not a float32 copy widened back from the rounded block (a pass over the
     # block less per chunk; the real Gemma 3 270M's bfloat16 LoRA step at 8 x 128 tokens ~2670
     # -> ~2590 ms, an A/B, ad hoc). Under the cap the max is taken after it, from the capped logits.
-    top = None if cap is not None else rounded(jnp.max(logits, axis=-1, keepdims=True), h_c.dtype)
-    return *capped(rounded(logits, h_c.dtype), cap), top
+    top = None if cap is not None else rounded(jnp.max(product, axis=-1, keepdims=True), h_c.dtype)
+    return product, lambda x: capped(rounded(x, h_c.dtype), cap), top
 
 
 def rounded(x, dtype):
@@ -42,10 +44,11 @@ def capped(logits, cap):
     return th * cap, th
 
 
-def sums(logits, y_c, w_c, axis=-1, top=None):
+def sums(logits, y_c, w_c, axis=-1, top=None, target=None):
     """-> (weighted CE sum, weighted argmax hits, logsumexp) of float32 logits [B, C, V] (or
     any layout with the vocabulary on `axis`; y_c, w_c and the logsumexp lack that axis).
-    top: the logits' max over `axis` (kept, size 1) if the caller has it.
+    top: the logits' max over `axis` (kept, size 1) and target: the target logits (y_c's
+    shape), if the caller has them.
 
     After the max, one variadic reduction over the last axis takes both the sum of
     exp(logits - max) and the first index reaching the max (`jnp.argmax`'s tie rule; a NaN
@@ -66,10 +69,10 @@ def sums(logits, y_c, w_c, axis=-1, top=None):
     else:
         total, first = jnp.sum(exp, axis=axis), jnp.min(at_top, axis=axis)
     lse = jnp.log(total) + jnp.squeeze(shift, axis)
-    at_target = jnp.take_along_axis(logits, jnp.expand_dims(y_c, axis), axis=axis)
-    target_logit = jnp.squeeze(at_target, axis)
+    if target is None:
+        target = jnp.squeeze(jnp.take_along_axis(logits, jnp.expand_dims(y_c, axis), axis=axis), axis)
     hit = (first == y_c).astype(jnp.float32) * w_c
-    return ((lse - target_logit) * w_c).sum(), hit.sum(), lse
+    return ((lse - target) * w_c).sum(), hit.sum(), lse
 
 
 def logit_gradient(logits, lse, y_c, w_c, th, axis=-1, onehot=True):
@@ -85,18 +88,18 @@ def logit_gradient(logits, lse, y_c, w_c, th, axis=-1, onehot=True):
     return d if th is None else d * (1.0 - th * th)
 
 
-def target_term(logits, lse, y_c, w_c, th, emb, dtype):
+def target_term(l_y, th_y, lse, w_c, emb, y_c, dtype):
     """-> float32 [B, C, H]: what the target's one-hot term adds to d_hidden, for a d computed
     without it (`logit_gradient(onehot=False)`, rounded to `dtype`): the difference of the
     target's d with and without the term, each rounded as the block is, times emb[target].
+    l_y, th_y: the target's logit and tanh(logit / cap) (or None), [B, C, 1].
 
     The [B, C, V] pass without the term is a compare less per logit: on XLA:CPU the real
     Gemma 3 270M's bfloat16 LoRA step at 8 x 128 tokens ~2580 -> ~2510 ms (an A/B, ad hoc,
     bench/README.md). Adding back the rounded difference, rather than w * emb[target] alone,
     keeps d_hidden as the one-hot block gives it: for a confident target (p near 1), p * w
     rounded to bfloat16 is off by more than the whole p - 1."""
-    at = lambda x: jnp.take_along_axis(x, y_c[..., None], axis=-1)  # noqa: E731  [B, C, 1]
-    l_y, th_y, first = at(logits), None if th is None else at(th), jnp.zeros_like(y_c)
+    first = jnp.zeros_like(y_c)
     d_y = [rounded(logit_gradient(l_y, lse, first, w_c, th_y, onehot=onehot), dtype)
            for onehot in (True, False)]
     # the rows as bits: XLA:CPU would widen a narrow table whole for the gather

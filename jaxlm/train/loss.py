@@ -138,8 +138,8 @@ def _fused_ce(h, emb, columns, y, w, live, cap):
     (loss_sum, correct) over the first `live` chunks (the rest carry no weight); no [B, T, V]
     is kept."""
     def body(i, carry):
-        logits, _, top = logit_block.project(h[i], emb, columns, cap)
-        ce, hit, _ = logit_block.sums(logits, y[i], w[i], top=top)
+        product, view, top = logit_block.project(h[i], emb, columns, cap)
+        ce, hit, _ = logit_block.sums(view(product)[0], y[i], w[i], top=top)
         return carry[0] + ce, carry[1] + hit
     zero = jnp.zeros((), jnp.float32)
     return jax.lax.fori_loop(0, live, body, (zero, zero))
@@ -192,18 +192,29 @@ def _chunk_loop(h, live, d_emb, chunk, keep=lambda d_emb, part, i: d_emb + part)
 def _token_major(h_c, emb, columns, y_c, w_c, cap, train_emb=True):
     """One chunk's (ce, hits, float32 d_h_c [B, C, H], d_emb_c [H, V] or None), the logits
     [B, C, V]."""
-    logits, th, top = logit_block.project(h_c, emb, columns, cap)
-    ce, hit, lse = logit_block.sums(logits, y_c, w_c, top=top)
-    # without a table gradient, d_h alone needs the target's term: projected apart
-    d = logit_block.logit_gradient(logits, lse, y_c, w_c, th, onehot=train_emb)
-    d = d.astype(h_c.dtype)
-    # float32 out: XLA:CPU then multiplies a bfloat16 table in place, not a widened copy
-    b, c, v = d.shape
-    d_h_c = kernels.tied_hidden_gradient(d.reshape(b * c, v), emb).reshape(b, c, -1)
-    if not train_emb:
-        d_h_c = d_h_c + logit_block.target_term(logits, lse, y_c, w_c, th, emb, d.dtype)
-        return ce, hit, d_h_c, None
-    return ce, hit, d_h_c, jnp.einsum("BCH,BCV->HV", h_c, d, preferred_element_type=jnp.float32)
+    product, view, top = logit_block.project(h_c, emb, columns, cap)
+    b, c, v = product.shape
+    if train_emb:
+        logits, th = view(product)
+        ce, hit, lse = logit_block.sums(logits, y_c, w_c, top=top)
+        d = logit_block.logit_gradient(logits, lse, y_c, w_c, th).astype(h_c.dtype)
+        # float32 out: XLA:CPU then multiplies a bfloat16 table in place, not a widened copy
+        d_h_c = kernels.tied_hidden_gradient(d.reshape(b * c, v), emb).reshape(b, c, -1)
+        return ce, hit, d_h_c, jnp.einsum("BCH,BCV->HV", h_c, d, preferred_element_type=jnp.float32)
+    # Without a table gradient no block of d is needed: each vocabulary slice of it is made
+    # from the product inside the hidden gradient's loop, and the target's logit is viewed from
+    # its gather, so the viewed logits feed the sums alone and are not written out either.
+    # Two [B, C, V] passes fewer per chunk.
+    at = lambda x: jnp.take_along_axis(x, y_c[..., None], axis=-1)  # noqa: E731  [B, C, 1]
+    l_y, th_y = view(at(product))
+    ce, hit, lse = logit_block.sums(view(product)[0], y_c, w_c, top=top, target=l_y[..., 0])
+    lse_n, w_n = lse.reshape(-1), w_c.reshape(-1)
+
+    def d_of(x):  # [N, S] of the product -> d [N, S] without the target's term
+        logits, th = view(x)
+        return logit_block.logit_gradient(logits, lse_n, None, w_n, th, onehot=False).astype(h_c.dtype)
+    d_h_c = kernels.tied_hidden_gradient(product.reshape(b * c, v), emb, of=d_of).reshape(b, c, -1)
+    return ce, hit, d_h_c + logit_block.target_term(l_y, th_y, lse, w_c, emb, y_c, h_c.dtype), None
 
 
 def _cpu_vocab_major(h, emb, y, w, live, cap):
