@@ -1,6 +1,6 @@
 """What the real Gemma 3 270M LoRA step costs: interleaved A/Bs in one process, one CPU device.
 
-    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,tables,activations,layout,scored,train_layout,attention,hidden]
+    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,tables,activations,layout,scored,train_layout,attention,hidden,online]
                                  [--batch=8] [--dtype=float32]
                                  [--seq=40] [--rounds=3] [--decode_batches=4,8,16,40]
                                  [--new_tokens=48] [--tiny]
@@ -26,8 +26,13 @@
           (`models.kernels.causal_attention`: every product in the fast form, blocks of
           CPU_QUERY_BLOCK rows) vs the plain attention (`layers.softmax_attention`, blocks of
           layers.QUERY_BLOCK) as it ran before the kernel
-  hidden  the LoRA step (one device, float32 unless --dtype) with the loss's hidden gradient
-          over the vocabulary in slices (`models.kernels.tied_hidden_gradient`) vs in one product
+  hidden  the LoRA step (one device, float32 unless --dtype) with the token-major loss
+          (`token_major_loss`), its hidden gradient over the vocabulary in slices
+          (`models.kernels.tied_hidden_gradient`, which a trained table's token-major loss
+          takes) vs in one product
+  online  the LoRA step (one device, float32 unless --dtype; bfloat16 through the train
+          layout, as train.py) with the frozen table's loss online
+          (jaxlm/train/online_softmax.py) vs token-major in chunks (`token_major_loss`)
   layout  greedy decoding, one device, with vs without the CPU decode step layout, at each of
           --decode_batches (default 4,8,16,40) with --new_tokens (48) after 32-token prompts
   scored  the demo's LoRA step on `--mesh=1x8` on its own first batch (the built-in tasks,
@@ -162,14 +167,31 @@ def plain_attention():
 
 
 @contextlib.contextmanager
+def token_major_loss():
+    """Trace the loss token-major on one device too, as before jaxlm/train/online_softmax.py:
+    each chunk's [B, C, V] logits block, its sums and d (`loss._token_major`)."""
+    from jaxlm.train import online_softmax
+    online = online_softmax.loss
+
+    def token_major(h, emb, columns, y, w, live, cap, gradient=True):
+        if not gradient:  # the value alone, which a train step does not take
+            return online(h, emb, columns, y, w, live, cap, gradient)
+        loss, hits, _, d_h = L._chunk_loop(h, live, None, lambda i: L._token_major(
+            h[i], emb, columns, y[i], w[i], cap, train_emb=False))
+        return loss, hits, d_h
+    online_softmax.loss = token_major
+    try:
+        yield
+    finally:
+        online_softmax.loss = online
+
+
+@contextlib.contextmanager
 def whole_hidden_gradient():
     """Trace the loss's hidden gradient as before `tied_hidden_gradient`: one product over V."""
     from models import kernels
     sliced = kernels._cpu_tied_hidden_gradient
-
-    def whole(x, emb, of=lambda d: d):
-        return kernels._tied_hidden_gradient(of(x), emb)
-    kernels._cpu_tied_hidden_gradient = whole
+    kernels._cpu_tied_hidden_gradient = kernels._tied_hidden_gradient
     try:
         yield
     finally:
@@ -314,8 +336,16 @@ def main(argv=None) -> int:
         elif what == "hidden":
             model, params = load(source, dtype=args.dtype)
             for name, scope in (("sliced", contextlib.nullcontext), ("whole", whole_hidden_gradient)):
-                with scope():
+                with scope(), token_major_loss():
                     run, info[name] = lora_step(model, params, one, args.batch, args.seq)
+                runs[name] = stepper(run)
+        elif what == "online":
+            model, params = load(source, dtype=args.dtype)
+            model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
+            laid = trainer.train_layout_of(model, params, lora=True, platform="cpu")
+            for name, scope in (("online", contextlib.nullcontext), ("token_major", token_major_loss)):
+                with scope():
+                    run, info[name] = lora_step(model, params, one, args.batch, args.seq, train_layout=laid)
                 runs[name] = stepper(run)
         elif what == "layout":
             runs = layout_runs(*load(source), args.decode_batches, args.new_tokens)

@@ -112,48 +112,40 @@ def _cpu_tied_logits(h, emb):
 HIDDEN_GRADIENT_ROWS = 1024
 
 
-def tied_hidden_gradient(x, emb, of=None):
-    """of(x) [N, V] @ emb [V, H] -> float32 [N, H]: the gradient of `tied_logits` with respect
-    to h, of(x) being d = dLoss/dlogits in h's dtype (`of` None: x is d). `of` acts on each
-    vocabulary column alone (of(x[:, s]) == of(x)[:, s]: its other operands are per row, [N, 1]).
-    On CPU the contraction over V runs as a loop over slices of at most HIDDEN_GRADIENT_ROWS
-    float32 rows' bytes of the table, summed in float32, in a one-device program
-    (`layers.traced_devices`); each slice of d is made from its slice of x inside the loop, so
-    no [N, V] block of d is written. On more than one device a layout may split the table over
-    its vocabulary (the megatron table does), where a slice of it would gather the whole
-    table: there it is multiplied whole.
+def tied_hidden_gradient(d, emb):
+    """d [N, V] @ emb [V, H] -> float32 [N, H]: the gradient of `tied_logits` with respect to
+    h, from d = dLoss/dlogits in h's dtype; on CPU the contraction over V runs as a loop over
+    slices of at most HIDDEN_GRADIENT_ROWS float32 rows' bytes of the table, summed in float32,
+    in a one-device program (`layers.traced_devices`). On more than one device a layout may split
+    the table over its vocabulary (the megatron table does), where a slice of it would gather
+    the whole table: there it is multiplied whole.
 
     Whole, XLA:CPU ran Gemma 3's K = 262144 at ~65% of its float32 peak, in 1024-row slices
     near it. One loss chunk, [256, 262144] @ [262144, 640], on a 2-core AMD EPYC (ad hoc):
     float32 619 -> 434 ms, bfloat16 265 -> 226 ms; the float32 LoRA step at 8 x 128 7666 ->
-    6900 ms (`BENCH real_ab_hidden`, `python bench/real_step_ab.py --what=hidden`)."""
-    of = (lambda d: d) if of is None else of  # noqa: E731
-
-    def _cpu_tied_hidden_gradient_of(x, emb):
-        return _cpu_tied_hidden_gradient(x, emb, of)
-    return by_platform(x, emb, cpu=_cpu_tied_hidden_gradient_of,
-                       plain=lambda x, emb: _tied_hidden_gradient(of(x), emb))
+    6900 ms (`BENCH real_ab_hidden`, `python bench/real_step_ab.py --what=hidden`). A frozen
+    table's loss on one CPU device takes neither (jaxlm/train/online_softmax.py)."""
+    return by_platform(d, emb, cpu=_cpu_tied_hidden_gradient, plain=_tied_hidden_gradient)
 
 
 def _tied_hidden_gradient(d, emb):
     return jnp.dot(d, emb, preferred_element_type=jnp.float32)
 
 
-def _cpu_tied_hidden_gradient(x, emb, of=lambda d: d):
+def _cpu_tied_hidden_gradient(d, emb):
     v, rows = emb.shape[0], HIDDEN_GRADIENT_ROWS * 4 // jnp.dtype(emb.dtype).itemsize
     n = _fewest_parts(v, -(-v // rows))
     size = v // n
     if n == 1 or 4 * size < rows or layers.traced_devices() > 1:  # one slice, no fit
-        return _tied_hidden_gradient(of(x), emb)
-
-    def cut(w, i, axis):
-        if jnp.dtype(w.dtype).itemsize < 4:
-            return bits_slice(w, i, size, axis)
-        return jax.lax.dynamic_slice_in_dim(w, i * size, size, axis)
+        return _tied_hidden_gradient(d, emb)
+    narrow = jnp.dtype(emb.dtype).itemsize < 4
+    cut = bits_slice if narrow else (lambda w, i, size, axis: jax.lax.dynamic_slice_in_dim(  # noqa: E731
+        w, i * size, size, axis))
 
     def body(i, total):
-        return total + jnp.dot(of(cut(x, i, 1)), cut(emb, i, 0), preferred_element_type=jnp.float32)
-    return jax.lax.fori_loop(0, n, body, jnp.zeros((x.shape[0], emb.shape[1]), jnp.float32))
+        return total + jnp.dot(cut(d, i, size, 1), cut(emb, i, size, 0),
+                               preferred_element_type=jnp.float32)
+    return jax.lax.fori_loop(0, n, body, jnp.zeros((d.shape[0], emb.shape[1]), jnp.float32))
 
 
 # --- Training: the attention projections ----------------------------------------------------

@@ -38,7 +38,7 @@ def dot_operand_types(hlo: str) -> list[str]:
 def buffers(hlo: str) -> set[str]:
     """The shapes ("bf16[6,40]") that compiled HLO text writes to memory: every instruction's
     outside the fused computations (whose values live in registers within one loop)."""
-    fused = {part.split(",", 1)[0].split(" ", 1)[0] for part in hlo.split("calls=")[1:]}
+    fused = {part.split(",", 1)[0].split()[0] for part in hlo.split("calls=")[1:]}
     shapes, inside = set(), False
     for line in hlo.splitlines():
         if line.rstrip().endswith("{") and " = " not in line:  # a computation's header

@@ -19,6 +19,11 @@ def model_params():
     return model, params
 
 
+def _on_a_mesh(monkeypatch):
+    """Trace as in a program on several devices, where a frozen table's loss is token-major."""
+    monkeypatch.setattr(L.layers, "traced_devices", lambda: 2)
+
+
 def keras_reference(logits, y, sw):
     """Per-token CE as Keras' SparseCategoricalCrossentropy(from_logits=True), in numpy float64."""
     logits = np.asarray(logits, np.float64)
@@ -119,9 +124,14 @@ def test_final_logit_soft_cap_matches_the_model():
     assert abs(float(naive["loss_sum"]) - float(uncapped["loss_sum"])) > 1e-3
 
 
-def test_hits_break_ties_as_argmax():
+@pytest.mark.parametrize("path", ["online", "token_major"])
+def test_hits_break_ties_as_argmax(monkeypatch, path):
     """`correct` counts jnp.argmax hits: on a tied maximum only the first index is a hit, and
-    the loss equals the naive one there too (sum and first index share one reduction)."""
+    the loss equals the naive one there too (sum and first index share one reduction), for the
+    loss alone and with its gradient; online the tie is between slices of the vocabulary."""
+    if path == "token_major":
+        _on_a_mesh(monkeypatch)
+    monkeypatch.setattr(L.online_softmax, "COLUMNS", 10)  # 4 slices: 7 and 23 in the 1st and 3rd
     v, h = 40, 4
     emb = np.zeros((v, h), np.float32)
     emb[7] = emb[23] = [3.0, 0, 0, 0]  # tokens 7 and 23 tie for the top logit
@@ -129,11 +139,14 @@ def test_hits_break_ties_as_argmax():
     hidden = jnp.asarray(np.tile([[[1.0, 0, 0, 0]]], (1, 4, 1)), jnp.float32)  # [1, 4, H]
     y = jnp.asarray([[7, 23, 7, 30]], jnp.int32)  # first-index rule: 2 hits (last: 1, any: 3)
     w = jnp.ones((1, 4), jnp.float32)
+    naive = L.naive_cross_entropy(hidden @ emb.T, y, w)
     for chunk in (1, 4):
-        m = L.chunked_cross_entropy(hidden, jnp.asarray(emb), y, w, chunk_size=chunk)
-        naive = L.naive_cross_entropy(hidden @ emb.T, y, w)
-        assert float(m["correct"]) == float(naive["correct"]) == 2.0  # the two 7s
-        np.testing.assert_allclose(float(m["loss_sum"]), float(naive["loss_sum"]), rtol=1e-6)
+        def f(hh):
+            m = L.chunked_cross_entropy(hh, jnp.asarray(emb), y, w, chunk_size=chunk)
+            return m["loss_sum"], m
+        for m in (f(hidden)[1], jax.grad(f, has_aux=True)(hidden)[1]):
+            assert float(m["correct"]) == float(naive["correct"]) == 2.0  # the two 7s
+            np.testing.assert_allclose(float(m["loss_sum"]), float(naive["loss_sum"]), rtol=1e-6)
 
 
 def test_a_frozen_embedding_gets_no_gradient_work():
@@ -217,10 +230,15 @@ def test_weights_with_holes_equal_naive(chunk):
 
 @pytest.mark.parametrize("cap", [None, 0.5])
 @pytest.mark.parametrize("columns", [False, True])
-def test_a_frozen_tables_hidden_gradient_projects_the_target_term_apart(cap, columns):
+@pytest.mark.parametrize("path", ["online", "token_major"])
+def test_a_frozen_tables_hidden_gradient_projects_the_target_term_apart(monkeypatch, cap, columns, path):
     """With the table frozen, d_hidden = (softmax * w) @ emb - w * emb[target] (times tanh'
     under the cap): equal to the naive loss's, weights with holes and a fractional one, through
-    the table as stored and as the train layout's [H, V] columns."""
+    the table as stored and as the train layout's [H, V] columns, online on one device (here
+    in 4 slices of the vocabulary) and token-major on a mesh."""
+    if path == "token_major":
+        _on_a_mesh(monkeypatch)
+    monkeypatch.setattr(L.online_softmax, "COLUMNS", 13)  # 50 rows: 5 slices of 10
     hidden, emb, y, w = _scattered()
     kw = {"columns": emb.T} if columns else {}
     f = lambda hh: L.chunked_cross_entropy(hh, emb, y, w, chunk_size=4, logit_soft_cap=cap,  # noqa: E731
@@ -231,21 +249,21 @@ def test_a_frozen_tables_hidden_gradient_projects_the_target_term_apart(cap, col
     np.testing.assert_allclose(jax.grad(f)(hidden), jax.grad(naive)(hidden), rtol=1e-5, atol=1e-6)
 
 
-def test_a_frozen_bfloat16_tables_chunk_writes_no_block_but_its_product(monkeypatch):
-    """Through the train layout's columns with the table frozen, a chunk's compiled loss and
-    d_hidden keep one [B, C, V] block, the float32 product: the rounded logits feed the sums
-    and the target's logit is viewed from its gather; d is made a slice at a time inside the
-    hidden gradient's loop. d_hidden equals the one-hot block's, d rounded to bfloat16 and
+def test_a_frozen_bfloat16_tables_loss_writes_no_logits_block(monkeypatch):
+    """Through the train layout's columns with the table frozen, on one device, the compiled
+    loss and d_hidden write no array as wide as the vocabulary but the table's own (the logits
+    are made, summed and projected back a slice of columns at a time), and every product is
+    in XLA:CPU's fast form. d_hidden equals the one-hot block's, d rounded to bfloat16 and
     projected in float32."""
-    from models import kernels
-    monkeypatch.setattr(kernels, "HIDDEN_GRADIENT_ROWS", 25)
+    monkeypatch.setattr(L.online_softmax, "COLUMNS", 50)
     hidden, emb, y, w = _scattered(t=16, v=200, seed=3)
     hidden, emb = hidden.astype(jnp.bfloat16), (emb * 4).astype(jnp.bfloat16)
     f = lambda hh: L.chunked_cross_entropy(hh, emb, y, w, chunk_size=8, columns=emb.T)["loss_sum"]  # noqa: E731
     grad = jax.jit(jax.grad(f))
-    written = buffers(grad.lower(hidden).compile().as_text())
-    assert not {"bf16[3,8,200]", "bf16[24,200]", "f32[200,24]"} & written
-    assert {"f32[24,200]", "f32[3,8,200]"} & written
+    hlo = grad.lower(hidden).compile().as_text()
+    wide = {s for s in buffers(hlo) if "200" in s.split("[", 1)[-1].split(",")}
+    assert wide <= {"bf16[200,6]", "bf16[6,200]"}, wide
+    assert set(dots(hlo)) == {("bf16", "bf16", "f32", "{1}", "{0}")}
 
     logits = jnp.dot(hidden, emb.T, preferred_element_type=jnp.float32)
     logits = logits.astype(jnp.bfloat16).astype(jnp.float32)
@@ -272,23 +290,40 @@ def test_bfloat16_logits_through_the_columns_take_their_max_before_rounding():
     np.testing.assert_allclose(float(m["loss_sum"]), float(ref["loss_sum"]), rtol=1e-5)
 
 
-def test_only_chunks_with_a_weighted_target_are_projected(monkeypatch):
+@pytest.mark.parametrize("path", ["online", "token_major"])
+def test_only_chunks_with_a_weighted_target_are_projected(monkeypatch, path):
     """The vocabulary projection runs for the chunks the fullest row's weighted targets fill,
-    counted at run time: 3 targets in a row, chunks of 4 -> one projection of the four chunks
-    (the value and gradient come from one pass); a batch without one projects nothing."""
+    counted at run time, chunks of 4 positions of 3 rows (online, two of them joined into one
+    of 24 tokens): 3 targets in a row -> one projection (the value and gradient come from one
+    pass); 9 -> three chunks, two joined ones online, with the loss and d_hidden of the naive
+    loss; a batch without one projects nothing."""
     calls = []
-    project = L.kernels.tied_logits
+    if path == "token_major":
+        _on_a_mesh(monkeypatch)
+        module, name = L.kernels, "tied_logits"
+    else:
+        monkeypatch.setattr(L.online_softmax, "ONLINE_TOKENS", 24)
+        module, name = L.online_softmax, "chunk"
+    project = getattr(module, name)
 
-    def counted(h, emb):
+    def counted(*args):
         jax.debug.callback(lambda: calls.append(1))
-        return project(h, emb)
-    monkeypatch.setattr(L.kernels, "tied_logits", counted)
+        return project(*args)
+    monkeypatch.setattr(module, name, counted)
     hidden, emb, y, w = _scattered()
     step = jax.jit(jax.value_and_grad(
         lambda hh, ww: L.chunked_cross_entropy(hh, emb, y, ww, chunk_size=4)["loss_sum"]))
     loss, grad = step(hidden, w)
     jax.effects_barrier()
     assert len(calls) == 1
+    calls.clear()
+    nine = w.at[0, 10:].set(1.0)
+    loss, grad = step(hidden, nine)
+    jax.effects_barrier()
+    assert len(calls) == {"online": 2, "token_major": 3}[path] and L.live_chunks(nine, 4) == 3
+    naive = jax.value_and_grad(lambda hh: L.naive_cross_entropy(hh @ emb.T, y, nine)["loss_sum"])(hidden)
+    np.testing.assert_allclose(float(loss), float(naive[0]), rtol=1e-5)
+    np.testing.assert_allclose(grad, naive[1], rtol=1e-5, atol=1e-6)
     calls.clear()
     loss, grad = step(hidden, jnp.zeros_like(w))
     jax.effects_barrier()
@@ -372,3 +407,33 @@ def test_the_vocab_major_chunks_are_chosen_by_platform_and_dtype(platform, dtype
     for argnums, expected in (((0, 1), cpu_kernel), (0, False)):
         lowered = jax.jit(jax.grad(loss, argnums)).trace(hidden, emb).lower(lowering_platforms=(platform,))
         assert ("cpu_kernel/cpu_vocab_major" in lowered.as_text(debug_info=True)) == expected
+
+
+@pytest.mark.parametrize("platform, online", [("cpu", True), ("tpu", False)])
+def test_the_online_loss_is_chosen_by_the_platform_lowered_for(platform, online):
+    """A frozen table's loss and d_hidden, and any loss's value alone, run online in a program
+    lowered for CPU, in float32 and bfloat16 alike; token-major for any other platform."""
+    hidden, emb, y, w = _scattered()
+    for dtype in ("float32", "bfloat16"):
+        h, e = hidden.astype(dtype), emb.astype(dtype)
+        loss = lambda hh: L.chunked_cross_entropy(hh, e, y, w, chunk_size=4)["loss_sum"]  # noqa: E731
+        for f in (loss, jax.grad(loss)):
+            lowered = jax.jit(f).trace(h).lower(lowering_platforms=(platform,))
+            assert ("cpu_kernel/cpu_online" in lowered.as_text(debug_info=True)) == online
+
+
+def test_a_program_on_several_devices_takes_the_loss_token_major(monkeypatch):
+    """A layout may split the table (the megatron table over its vocabulary): slices of it
+    would gather it, so a program traced inside a mesh's activation layout does not go online."""
+    from jax.sharding import Mesh
+    traced, chunk = [], L.online_softmax.chunk
+    monkeypatch.setattr(L.online_softmax, "chunk", lambda *args: traced.append(1) or chunk(*args))
+    hidden, emb, y, w = _scattered()
+
+    def trace():  # a new function each time: jax caches a trace per function, not per context
+        jax.make_jaxpr(jax.grad(lambda hh: L.chunked_cross_entropy(hh, emb, y, w, chunk_size=4)["loss_sum"]))(hidden)
+    with L.layers.activation_layout(Mesh(np.array(jax.devices()[:8]).reshape(1, 8), ("batch", "model")), {}):
+        trace()
+    assert not traced
+    trace()
+    assert traced

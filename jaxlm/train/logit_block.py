@@ -15,8 +15,8 @@ from models import cpu_forms, kernels
 def project(h_c, emb, columns, cap):
     """-> (float32 product [B, C, V], view, its max over V [B, C, 1] where that comes cheaper
     than from the logits, else None). view(x) -> (float32 logits after the cap, tanh(logits /
-    cap) or None) acts on each logit alone, so a slice or a gather of the product can be viewed
-    without writing the logits block (`kernels.tied_hidden_gradient`'s `of`)."""
+    cap) or None) acts on each logit alone, so a gather of the product can be viewed without
+    the logits block."""
     b, c, h = h_c.shape
     flat = h_c.reshape(b * c, h)
     if columns is None:
@@ -28,7 +28,13 @@ def project(h_c, emb, columns, cap):
     # block less per chunk; the real Gemma 3 270M's bfloat16 LoRA step at 8 x 128 tokens ~2670
     # -> ~2590 ms, an A/B, ad hoc). Under the cap the max is taken after it, from the capped logits.
     top = None if cap is not None else rounded(jnp.max(product, axis=-1, keepdims=True), h_c.dtype)
-    return product, lambda x: capped(rounded(x, h_c.dtype), cap), top
+    return product, viewer(h_c.dtype, cap), top
+
+
+def viewer(dtype, cap):
+    """-> view(x) -> (logits, tanh(logits / cap) or None): a float32 product's logits as the
+    model gives them, rounded to the compute `dtype`, then capped."""
+    return lambda x: capped(rounded(x, dtype), cap)
 
 
 def rounded(x, dtype):

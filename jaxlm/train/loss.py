@@ -17,7 +17,9 @@ front (a stable sort along the sequence, so batch sharding is untouched) and the
 runs only as far as the fullest row needs. Instruction tuning scores few positions: the demo's
 rows (response-only loss, 8 x 40) weight 7% of them, and its batches need 1-2 chunks of 8.
 
-One chunk's block of logits, its sums and its gradient: jaxlm/train/logit_block.py.
+One chunk's block of logits, its sums and its gradient: jaxlm/train/logit_block.py. In a
+one-device program for CPU, a frozen table's loss and d_hidden (LoRA) and any loss's value
+alone write no block: jaxlm/train/online_softmax.py takes them a vocabulary slice at a time.
 
 Losses here return SUMS plus the token count; callers divide by the total count, which is what
 makes gradient accumulation exact (see jaxlm/train/step.py).
@@ -31,8 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxlm.train import logit_block
-from models import cpu_forms, kernels, train_layout
+from jaxlm.train import logit_block, online_softmax
+from models import cpu_forms, kernels, layers, train_layout
 
 
 Metrics = dict  # {"loss_sum", "correct", "count"}: float32 scalars, summed over tokens
@@ -137,12 +139,24 @@ def _fused_ce(h, emb, columns, y, w, live, cap):
     """h [n, B, C, H], emb [V, H], columns [H, V] or None, y/w [n, B, C], live int32 [] ->
     (loss_sum, correct) over the first `live` chunks (the rest carry no weight); no [B, T, V]
     is kept."""
-    def body(i, carry):
-        product, view, top = logit_block.project(h[i], emb, columns, cap)
-        ce, hit, _ = logit_block.sums(view(product)[0], y[i], w[i], top=top)
-        return carry[0] + ce, carry[1] + hit
-    zero = jnp.zeros((), jnp.float32)
-    return jax.lax.fori_loop(0, live, body, (zero, zero))
+    def token_major(h, emb, y, w, live):
+        def body(i, carry):
+            product, view, top = logit_block.project(h[i], emb, columns, cap)
+            ce, hit, _ = logit_block.sums(view(product)[0], y[i], w[i], top=top)
+            return carry[0] + ce, carry[1] + hit
+        zero = jnp.zeros((), jnp.float32)
+        return jax.lax.fori_loop(0, live, body, (zero, zero))
+    return _online_on_one_cpu(h, emb, columns, y, w, live, cap, token_major, gradient=False)
+
+
+def _online_on_one_cpu(h, emb, columns, y, w, live, cap, token_major, gradient=True):
+    """`online_softmax.loss` (with d_hidden if `gradient`) in a one-device program for CPU,
+    else token_major(h, emb, y, w, live)."""
+    def cpu_online(h, emb, y, w, live):
+        if layers.traced_devices() > 1:
+            return token_major(h, emb, y, w, live)
+        return online_softmax.loss(h, emb, columns, y, w, live, cap, gradient)
+    return kernels.by_platform(h, emb, y, w, live, cpu=cpu_online, plain=token_major)
 
 
 def _fused_ce_fwd(h, emb, columns, y, w, live, cap):
@@ -166,7 +180,8 @@ def _fused_ce_fwd(h, emb, columns, y, w, live, cap):
             h[i], emb, columns, y[i], w[i], cap, train_emb))
         return loss, hits, d_h, None if d_emb is None else d_emb.T.astype(emb.dtype)
     if not train_emb:
-        loss, hits, d_h, _ = token_major(h, emb, y, w, live)
+        loss, hits, d_h = _online_on_one_cpu(h, emb, columns, y, w, live, cap,
+                                             lambda *args: token_major(*args)[:3])
         return (loss, hits), (d_h, None)
 
     def cpu_vocab_major(h, emb, y, w, live):
@@ -201,19 +216,15 @@ def _token_major(h_c, emb, columns, y_c, w_c, cap, train_emb=True):
         # float32 out: XLA:CPU then multiplies a bfloat16 table in place, not a widened copy
         d_h_c = kernels.tied_hidden_gradient(d.reshape(b * c, v), emb).reshape(b, c, -1)
         return ce, hit, d_h_c, jnp.einsum("BCH,BCV->HV", h_c, d, preferred_element_type=jnp.float32)
-    # Without a table gradient no block of d is needed: each vocabulary slice of it is made
-    # from the product inside the hidden gradient's loop, and the target's logit is viewed from
-    # its gather, so the viewed logits feed the sums alone and are not written out either.
-    # Two [B, C, V] passes fewer per chunk.
+    # Without a table gradient (on one CPU device jaxlm/train/online_softmax.py runs instead)
+    # the target's logit is viewed from its gather and d leaves out the target's term, which
+    # `target_term` adds back: the viewed logits feed the sums and d, and no compare per logit.
     at = lambda x: jnp.take_along_axis(x, y_c[..., None], axis=-1)  # noqa: E731  [B, C, 1]
     l_y, th_y = view(at(product))
-    ce, hit, lse = logit_block.sums(view(product)[0], y_c, w_c, top=top, target=l_y[..., 0])
-    lse_n, w_n = lse.reshape(-1), w_c.reshape(-1)
-
-    def d_of(x):  # [N, S] of the product -> d [N, S] without the target's term
-        logits, th = view(x)
-        return logit_block.logit_gradient(logits, lse_n, None, w_n, th, onehot=False).astype(h_c.dtype)
-    d_h_c = kernels.tied_hidden_gradient(product.reshape(b * c, v), emb, of=d_of).reshape(b, c, -1)
+    logits, th = view(product)
+    ce, hit, lse = logit_block.sums(logits, y_c, w_c, top=top, target=l_y[..., 0])
+    d = logit_block.logit_gradient(logits, lse, None, w_c, th, onehot=False).astype(h_c.dtype)
+    d_h_c = kernels.tied_hidden_gradient(d.reshape(b * c, v), emb).reshape(b, c, -1)
     return ce, hit, d_h_c + logit_block.target_term(l_y, th_y, lse, w_c, emb, y_c, h_c.dtype), None
 
 

@@ -1,0 +1,145 @@
+"""The loss and d_hidden of a frozen tied table on XLA:CPU, a vocabulary slice at a time.
+
+Under LoRA the table takes no gradient, so a chunk's loss needs of its logits only their
+logsumexp, their argmax, the target's logit and d_hidden = softmax @ table - table[target]
+(times the weight). All four can be taken in one pass over the vocabulary, as flash
+attention takes its output: per slice of columns, the slice's logits [N, S] are made from
+the table, their exponentials are taken against the running max and summed, and multiplied
+back by the same slice of the table into a [N, H] sum; when the max grows, both sums are
+rescaled. At the end, d_hidden is that sum over the total. No [N, V] block is written at
+all: each slice's logits are used while they are in cache, where the token-major chunk
+(`loss._token_major`) writes a float32 [N, V] product and a [N, V] d, and reads them back.
+
+With no block to bound, a chunk can be longer: `ONLINE_TOKENS` tokens, regrouped from the
+loss's chunks. The real Gemma 3 270M's bfloat16 LoRA step on a 2-core AMX Xeon, one device,
+through the train layout: 8 x 128 tokens 2170 -> 1691 ms (median), temporaries 0.99 -> 0.64
+GiB (`python bench/real_step_ab.py --what=online --batch=8 --seq=128 --dtype=bfloat16`, its
+`BENCH real_ab_online` line; bench/README.md). The loss's value alone (no gradient) is taken
+the same way, without the second product.
+
+A one-device program only: a layout that splits the table (the megatron table splits its
+vocabulary) would gather a slice's worth of it per product.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxlm.train import logit_block
+from models import cpu_forms
+
+# Table rows a slice (at most; the fewest slices that split V evenly): a slice's float32
+# logits for a 1024-token chunk are 8 MiB. The 270M's loss and d_hidden of 1024 tokens alone
+# ran the same at 1024, 2048 and 4096 (random data, ad hoc).
+COLUMNS = 2048
+
+# Tokens a chunk: longer chunks multiply longer products. The same loss: one chunk of 1024
+# ~0.83 s, two of 512 ~0.84 s, four of 256 ~1.03 s; token-major in four ~1.3 s (ad hoc).
+ONLINE_TOKENS = 1024
+
+
+def loss(h, emb, columns, y, w, live, cap, gradient=True):
+    """h [n, B, C, H], emb [V, H], columns [H, V] or None, y/w [n, B, C], live int32 [] ->
+    (loss, hits[, d_h [n, B, C, H] if `gradient`]) over the first `live` chunks, taken in
+    chunks of up to ONLINE_TOKENS tokens (k consecutive chunks of the loss joined along C)."""
+    n, b, c, hidden = h.shape
+    k = max(j for j in range(1, n + 1) if n % j == 0 and (j == 1 or j * b * c <= ONLINE_TOKENS))
+
+    def join(x):  # [n, B, C, ...] -> [n / k, B, k * C, ...]
+        x = jnp.swapaxes(x.reshape(n // k, k, b, c, *x.shape[3:]), 1, 2)
+        return x.reshape(n // k, b, k * c, *x.shape[4:])
+    h_k, y_k, w_k = join(h), join(y), join(w)
+
+    def body(i, carry):
+        loss, hits, d_h = carry
+        ce, hit, d_h_c = chunk(h_k[i], emb, columns, y_k[i], w_k[i], cap, gradient)
+        return loss + ce, hits + hit, None if d_h is None else d_h.at[i].set(d_h_c.astype(d_h.dtype))
+    zero = jnp.zeros((), jnp.float32)
+    loss, hits, d_h = jax.lax.fori_loop(0, -(-live // k), body, (
+        zero, zero, jnp.zeros_like(h_k) if gradient else None))
+    if not gradient:
+        return loss, hits
+    d_h = jnp.swapaxes(d_h.reshape(n // k, b, k, c, hidden), 1, 2)
+    return loss, hits, d_h.reshape(n, b, c, hidden)
+
+
+def chunk(h_c, emb, columns, y_c, w_c, cap, gradient=True):
+    """One chunk: h_c [B, C, H] -> (weighted CE sum, weighted argmax hits, float32 d_h_c
+    [B, C, H] or None), as `logit_block.sums` and the one-hot block's d_hidden give them."""
+    b, c, hidden = h_c.shape
+    x, y, w = h_c.reshape(b * c, hidden), y_c.reshape(-1), w_c.reshape(-1)
+    view = logit_block.viewer(h_c.dtype, cap)
+    lse, first, p_y, total = softmax_sums(x, emb, columns, y, w, view, gradient)
+    l_y, th_y = view(p_y)
+    ce = ((lse - l_y) * w).sum()
+    hits = ((first == y).astype(jnp.float32) * w).sum()
+    if not gradient:
+        return ce, hits, None
+    # The target's term exactly as the one-hot block has it: (p - 1) * w, rounded.
+    d_y = logit_block.rounded(logit_block.logit_gradient(
+        l_y[:, None], lse, jnp.zeros_like(y), w, None if th_y is None else th_y[:, None]), h_c.dtype)
+    d_h = total + d_y * cpu_forms.bits_take(emb, y).astype(jnp.float32)
+    return ce, hits, d_h.reshape(b, c, hidden)
+
+
+def softmax_sums(x, emb, columns, y, w, view, gradient=True):
+    """x [N, H] -> (logsumexp [N], first argmax [N] int32, the target's product [N],
+    float32 [N, H] sum over v != y of d_v * emb[v] if `gradient`, else None), of the logits
+    view(x @ emb^T); d_v = softmax_v * w (* tanh' under the cap), rounded to x's dtype before
+    its product, as the block's d is (here against the running max, then scaled: the same
+    relative rounding). `view` (`logit_block.viewer`) must be monotone, so that a slice's max
+    logit is the view of its max product.
+
+    The argmax is the first index whose exponential against the running max is 1, which
+    saves a pass over the slice (a compare of the rounded logits, which XLA then writes out):
+    exactly the first index of the max logit, except among logits a few float32 ulps of 1
+    apart in exp, which needs the max and another logit both below ~2**-17 in magnitude (no
+    trained model's). COLUMNS: 1024 and 4096 ran as 2048 (the loss alone, ad hoc).
+    """
+    v, hidden = emb.shape
+    parts = -(-v // COLUMNS)
+    parts = next(p for p in range(parts, v + 1) if v % p == 0)
+    size = v // parts
+    narrow = jnp.dtype(emb.dtype).itemsize < 4
+
+    def rows(i):  # emb[i * size: (i + 1) * size]
+        return cpu_forms.bits_slice(emb, i, size, 0) if narrow else jax.lax.dynamic_slice_in_dim(
+            emb, i * size, size, 0)
+
+    def logits_of(i, part):  # x @ part^T [N, size], in the form XLA:CPU multiplies fast
+        if columns is not None:
+            return jnp.dot(x, cpu_forms.bits_slice(columns, i, size, 1), preferred_element_type=jnp.float32)
+        if narrow:
+            return jnp.dot(x, cpu_forms.transposed(part), preferred_element_type=jnp.float32)
+        return jax.lax.dot_general(x, part, (((1,), (1,)), ((), ())))  # float32: any layout
+
+    def body(i, carry):
+        m, z, first, p_y, total = carry
+        part = rows(i)
+        p = logits_of(i, part)
+        top = view(jnp.max(p, axis=1))[0]
+        m_new = jnp.maximum(m, top)
+        scale = jnp.exp(m - m_new)
+        logits, th = view(p)
+        e = jnp.exp(logits - m_new[:, None])
+        index = jax.lax.broadcasted_iota(jnp.int32, p.shape, 1)
+        target = index == (y - i * size)[:, None]
+        last = jnp.int32(size - 1)
+        s, at, p_t = jax.lax.reduce(
+            (e, jnp.where(e == 1.0, index, last), jnp.where(target, p, 0.0)),
+            (jnp.float32(0), last, jnp.float32(0)),
+            lambda a, b: (a[0] + b[0], jnp.minimum(a[1], b[1]), a[2] + b[2]), (1,))
+        if gradient:
+            d = e * w[:, None] if th is None else e * w[:, None] * (1.0 - th * th)
+            d = jnp.where(target, 0.0, d).astype(x.dtype)
+            total = total * scale[:, None] + jnp.dot(d, part, preferred_element_type=jnp.float32)
+        first = jnp.where(top > m, i * size + at, first)  # a tie keeps the earlier slice's
+        return m_new, z * scale + s, first, p_y + p_t, total
+
+    n = x.shape[0]
+    zeros = jnp.zeros((n,), jnp.float32)
+    m, z, first, p_y, total = jax.lax.fori_loop(0, parts, body, (
+        jnp.full((n,), -jnp.inf, jnp.float32), zeros, jnp.zeros((n,), jnp.int32), zeros,
+        jnp.zeros((n, hidden), jnp.float32) if gradient else None))
+    lse = jnp.log(z) + m
+    return lse, first, p_y, None if total is None else total * jnp.exp(m - lse)[:, None]
