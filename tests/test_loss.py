@@ -331,12 +331,12 @@ def test_only_chunks_with_a_weighted_target_are_projected(monkeypatch, path):
     assert L.live_chunks(w, 4) == 1 and L.live_chunks(jnp.ones_like(w), 4) == 4
 
 
-@pytest.mark.parametrize("form", ["token_major", "vocab_major_summed"])
+@pytest.mark.parametrize("form", ["token_major", "online", "summed"])
 def test_a_trained_table_gets_zero_from_a_batch_without_a_weighted_target(monkeypatch, form):
     """With no weighted target no chunk is projected, and a trained table's loss, hits and
     both gradients are zero."""
     if form != "token_major":
-        monkeypatch.setattr(L.kernels, "narrow_by_platform", lambda *args, cpu, plain: cpu(*args))
+        _trained_on_cpu(monkeypatch, form)
     hidden, emb, y, w = _scattered()
     def f(hh, e):
         m = L.chunked_cross_entropy(hh, e, y, jnp.zeros_like(w), chunk_size=4)
@@ -346,21 +346,33 @@ def test_a_trained_table_gets_zero_from_a_batch_without_a_weighted_target(monkey
     assert not any(np.asarray(g).any() for g in grads)
 
 
-# --- A trained table on CPU in bfloat16: the chunks vocabulary-major ---------------------------
+# --- A trained table on CPU in bfloat16: online on one device, else vocabulary-major ----------
 
-# 48 tokens: a hidden width of 6 sums the table gradient chunk by chunk, one of 24 keeps every
-# chunk's logit gradient for one product at the end.
-TABLE_GRADIENTS = {"summed": 6, "kept": 24}
+# 48 tokens: vocabulary-major, a hidden width of 6 sums the table gradient chunk by chunk, one
+# of 24 keeps every chunk's logit gradient for one product at the end.
+TABLE_GRADIENTS = {"online": 6, "summed": 6, "kept": 24}
+
+
+def _trained_on_cpu(monkeypatch, form):
+    """The CPU form of a trained table's loss, forced on (in float32 too, where the platform
+    choice runs the token-major loop): online on one device, in 5 slices of the vocabulary
+    (V = 50) and chunks of at most 24 tokens joined, or vocabulary-major on a mesh."""
+    monkeypatch.setattr(L.kernels, "narrow_by_platform", lambda *args, cpu, plain: cpu(*args))
+    if form == "online":
+        monkeypatch.setattr(L.online_softmax, "COLUMNS", 13)
+        monkeypatch.setattr(L.online_softmax, "ONLINE_TOKENS", 24)
+    else:
+        _on_a_mesh(monkeypatch)
 
 
 @pytest.mark.parametrize("table_gradient", TABLE_GRADIENTS)
 @pytest.mark.parametrize("chunk, cap", [(1, None), (4, None), (3, 2.0), (16, None)])
-def test_the_vocab_major_chunks_equal_naive(monkeypatch, chunk, cap, table_gradient):
-    """Forced on (in float32, where the platform choice runs the token-major loop), the
-    vocabulary-major chunks give the naive loss's sums and gradients, with holes, padding
-    (16 % 3), the soft cap, and either way of taking the table gradient (3 chunks of one
-    position hold the weighted targets, the larger chunks one)."""
-    monkeypatch.setattr(L.kernels, "narrow_by_platform", lambda *args, cpu, plain: cpu(*args))
+def test_a_trained_tables_cpu_chunks_equal_naive(monkeypatch, chunk, cap, table_gradient):
+    """The CPU forms of a trained table's loss give the naive loss's sums and gradients, with
+    holes, padding (16 % 3), the soft cap, online (chunks of one position joined 8 at a time,
+    the larger ones fewer) and vocabulary-major either way of taking the table gradient (3
+    chunks of one position hold the weighted targets, the larger chunks one)."""
+    _trained_on_cpu(monkeypatch, table_gradient)
     hidden, emb, y, w = _scattered(h=TABLE_GRADIENTS[table_gradient])
     assert L._keeps_logit_gradients(48, hidden.shape[-1]) == (table_gradient == "kept")
     capped = lambda logits: logits if cap is None else jnp.tanh(logits / cap) * cap  # noqa: E731
@@ -369,12 +381,29 @@ def test_the_vocab_major_chunks_equal_naive(monkeypatch, chunk, cap, table_gradi
     _sums_and_gradients_match(f, naive, hidden, emb)
 
 
+def test_online_a_trained_tables_gradient_sums_over_the_chunks(monkeypatch):
+    """Every target weighted: four chunks of 12 tokens, joined two by two, each slice's table
+    gradient summed over both joined chunks; sums and gradients equal the naive loss's."""
+    _trained_on_cpu(monkeypatch, "online")
+    hidden, emb, y, _ = _scattered()
+    w = jnp.ones(y.shape, jnp.float32).at[2, 5].set(0.5)
+    assert L.online_softmax._joined(4, 12) == 2
+    f = lambda hh, e: L.chunked_cross_entropy(hh, e, y, w, chunk_size=4)  # noqa: E731
+    naive = lambda hh, e: L.naive_cross_entropy(hh @ e.T, y, w)  # noqa: E731
+    _sums_and_gradients_match(f, naive, hidden, emb)
+
+
 @pytest.mark.parametrize("table_gradient", TABLE_GRADIENTS)
-def test_every_product_of_a_trained_bfloat16_table_loss_is_in_the_fast_form(table_gradient):
+def test_every_product_of_a_trained_bfloat16_table_loss_is_in_the_fast_form(monkeypatch, table_gradient):
     """Compiled for CPU, the loss with both gradients of a trained bfloat16 table multiplies
     [N, K] @ [K, M], bfloat16 in and float32 out, in all its products (token-major, the
     logits multiply a transposed table), and its gradients stay as close to float32's as the
-    token-major ones."""
+    token-major ones. Online (one device) it writes no [V, tokens] array; vocabulary-major
+    (on a mesh) it keeps the logit gradients as bits where it keeps them."""
+    if table_gradient == "online":
+        monkeypatch.setattr(L.online_softmax, "COLUMNS", 100)
+    else:
+        _on_a_mesh(monkeypatch)
     hidden, emb, y, w = _scattered(h=TABLE_GRADIENTS[table_gradient], v=300)
 
     def gradients():  # a new function per compile: jit would reuse the first trace
@@ -383,9 +412,12 @@ def test_every_product_of_a_trained_bfloat16_table_loss_is_in_the_fast_form(tabl
     narrow = (hidden.astype(jnp.bfloat16), emb.astype(jnp.bfloat16))
     fast = ("bf16", "bf16", "f32", "{1}", "{0}")
     hlo = jax.jit(gradients()).lower(*narrow).compile().as_text()
-    assert dots(hlo) == [fast] * 3
+    # online: the logits once for the sums, then again for both gradients
+    assert dots(hlo) == [fast] * (4 if table_gradient == "online" else 3)
     # the kept logit gradients (V 300 x 48 tokens) are stored as bits, not widened to float32
     assert ("u16[300,48]" in hlo) == (table_gradient == "kept") and "f32[300,48]" not in hlo
+    if table_gradient == "online":
+        assert not {s for s in buffers(hlo) if "300" in s and "48" in s}
     exact = gradients()(hidden, emb)
 
     def error(got):
@@ -399,14 +431,14 @@ def test_every_product_of_a_trained_bfloat16_table_loss_is_in_the_fast_form(tabl
 
 
 @pytest.mark.parametrize("platform, dtype, cpu_kernel", NARROW_KERNEL_CHOICES)
-def test_the_vocab_major_chunks_are_chosen_by_platform_and_dtype(platform, dtype, cpu_kernel):
-    """Only a bfloat16 program lowered for CPU takes them, and only with the table trained."""
+def test_a_trained_tables_cpu_form_is_chosen_by_platform_and_dtype(platform, dtype, cpu_kernel):
+    """Only a bfloat16 program lowered for CPU takes it, and only with the table trained."""
     hidden, emb, y, w = _scattered()
     hidden, emb = hidden.astype(dtype), emb.astype(dtype)
     loss = lambda hh, e: L.chunked_cross_entropy(hh, e, y, w, chunk_size=4)["loss_sum"]  # noqa: E731
     for argnums, expected in (((0, 1), cpu_kernel), (0, False)):
         lowered = jax.jit(jax.grad(loss, argnums)).trace(hidden, emb).lower(lowering_platforms=(platform,))
-        assert ("cpu_kernel/cpu_vocab_major" in lowered.as_text(debug_info=True)) == expected
+        assert ("cpu_kernel/cpu_trained" in lowered.as_text(debug_info=True)) == expected
 
 
 @pytest.mark.parametrize("platform, online", [("cpu", True), ("tpu", False)])

@@ -43,12 +43,8 @@ def loss(h, emb, columns, y, w, live, cap, gradient=True):
     (loss, hits[, d_h [n, B, C, H] if `gradient`]) over the first `live` chunks, taken in
     chunks of up to ONLINE_TOKENS tokens (k consecutive chunks of the loss joined along C)."""
     n, b, c, hidden = h.shape
-    k = max(j for j in range(1, n + 1) if n % j == 0 and (j == 1 or j * b * c <= ONLINE_TOKENS))
-
-    def join(x):  # [n, B, C, ...] -> [n / k, B, k * C, ...]
-        x = jnp.swapaxes(x.reshape(n // k, k, b, c, *x.shape[3:]), 1, 2)
-        return x.reshape(n // k, b, k * c, *x.shape[4:])
-    h_k, y_k, w_k = join(h), join(y), join(w)
+    k = _joined(n, b * c)
+    h_k, y_k, w_k = (_join(a, k) for a in (h, y, w))
 
     def body(i, carry):
         loss, hits, d_h = carry
@@ -59,8 +55,27 @@ def loss(h, emb, columns, y, w, live, cap, gradient=True):
         zero, zero, jnp.zeros_like(h_k) if gradient else None))
     if not gradient:
         return loss, hits
-    d_h = jnp.swapaxes(d_h.reshape(n // k, b, k, c, hidden), 1, 2)
-    return loss, hits, d_h.reshape(n, b, c, hidden)
+    return loss, hits, _unjoin(d_h, k)
+
+
+def _joined(n: int, tokens: int) -> int:
+    """How many of n chunks of `tokens` tokens to join: the most that divide n and hold at most
+    ONLINE_TOKENS tokens together (at least 1)."""
+    return max(j for j in range(1, n + 1) if n % j == 0 and (j == 1 or j * tokens <= ONLINE_TOKENS))
+
+
+def _join(x, k: int):
+    """[n, B, C, ...] -> [n / k, B, k * C, ...]: k consecutive chunks joined along C."""
+    n, b, c = x.shape[:3]
+    x = jnp.swapaxes(x.reshape(n // k, k, b, c, *x.shape[3:]), 1, 2)
+    return x.reshape(n // k, b, k * c, *x.shape[4:])
+
+
+def _unjoin(x, k: int):
+    """`_join`'s inverse."""
+    (m, b, kc), rest = x.shape[:3], x.shape[3:]
+    x = jnp.swapaxes(x.reshape(m, b, k, kc // k, *rest), 1, 2)
+    return x.reshape(m * k, b, kc // k, *rest)
 
 
 def chunk(h_c, emb, columns, y_c, w_c, cap, gradient=True):
@@ -97,14 +112,9 @@ def softmax_sums(x, emb, columns, y, w, view, gradient=True):
     trained model's). COLUMNS: 1024 and 4096 ran as 2048 (the loss alone, ad hoc).
     """
     v, hidden = emb.shape
-    parts = -(-v // COLUMNS)
-    parts = next(p for p in range(parts, v + 1) if v % p == 0)
+    parts, rows = _slices(emb)
     size = v // parts
     narrow = jnp.dtype(emb.dtype).itemsize < 4
-
-    def rows(i):  # emb[i * size: (i + 1) * size]
-        return cpu_forms.bits_slice(emb, i, size, 0) if narrow else jax.lax.dynamic_slice_in_dim(
-            emb, i * size, size, 0)
 
     def logits_of(i, part):  # x @ part^T [N, size], in the form XLA:CPU multiplies fast
         if columns is not None:
@@ -123,12 +133,15 @@ def softmax_sums(x, emb, columns, y, w, view, gradient=True):
         logits, th = view(p)
         e = jnp.exp(logits - m_new[:, None])
         index = jax.lax.broadcasted_iota(jnp.int32, p.shape, 1)
-        target = index == (y - i * size)[:, None]
+        local = y - i * size  # the target's column in this slice, if it is in it
         last = jnp.int32(size - 1)
-        s, at, p_t = jax.lax.reduce(
-            (e, jnp.where(e == 1.0, index, last), jnp.where(target, p, 0.0)),
-            (jnp.float32(0), last, jnp.float32(0)),
-            lambda a, b: (a[0] + b[0], jnp.minimum(a[1], b[1]), a[2] + b[2]), (1,))
+        s, at = jax.lax.reduce((e, jnp.where(e == 1.0, index, last)), (jnp.float32(0), last),
+                               lambda a, b: (a[0] + b[0], jnp.minimum(a[1], b[1])), (1,))
+        # gathered, not a third output of the reduction: with the exp fused in (no gradient),
+        # XLA:CPU ran that one ~2.5x slower (the 270M's 1024 tokens: 1136 vs 452 ms)
+        p_t = jnp.take_along_axis(p, jnp.clip(local, 0, last)[:, None], axis=1)[:, 0]
+        p_t = jnp.where((local >= 0) & (local <= last), p_t, 0.0)
+        target = index == local[:, None]
         if gradient:
             d = e * w[:, None] if th is None else e * w[:, None] * (1.0 - th * th)
             d = jnp.where(target, 0.0, d).astype(x.dtype)
@@ -143,3 +156,71 @@ def softmax_sums(x, emb, columns, y, w, view, gradient=True):
         jnp.zeros((n, hidden), jnp.float32) if gradient else None))
     lse = jnp.log(z) + m
     return lse, first, p_y, None if total is None else total * jnp.exp(m - lse)[:, None]
+
+
+def _slices(emb):
+    """-> (the number of slices of the table's rows, rows(i) -> slice i [V / parts, H]): the
+    fewest slices of at most COLUMNS rows that split V evenly."""
+    v = emb.shape[0]
+    parts = next(p for p in range(-(-v // COLUMNS), v + 1) if v % p == 0)
+    size = v // parts
+
+    def rows(i):
+        if jnp.dtype(emb.dtype).itemsize < 4:
+            return cpu_forms.bits_slice(emb, i, size, 0)
+        return jax.lax.dynamic_slice_in_dim(emb, i * size, size, 0)
+    return parts, rows
+
+
+def trained_loss(h, emb, y, w, live, cap):
+    """`loss` with both gradients, for a trained narrow table on one CPU device: h [n, B, C,
+    H], emb [V, H] -> (loss, hits, d_h [n, B, C, H], d_emb [V, H] in emb's dtype).
+
+    The table's gradient needs each logit's d, so this takes two passes over the vocabulary:
+    the first `softmax_sums` without the gradient (the logsumexp of every token), the second
+    remakes each slice's logits vocabulary-major, [S, N] = slice @ x^T, and multiplies their d
+    [S, N] both ways: d @ x, the slice's table gradient (summed over the chunks, then written
+    once in emb's dtype), and slice^T @ d, d_hidden^T. One product more than a pass that keeps
+    its logits, but no [V, N] block, kept gradient or transposed table is written: every
+    product in XLA:CPU's fast form from slices in cache.
+    """
+    n, b, c, hidden = h.shape
+    k = _joined(n, b * c)
+    m, tokens = n // k, b * k * c
+    x = _join(h, k).reshape(m, tokens, hidden)
+    y_f, w_f = _join(y, k).reshape(m, tokens), _join(w, k).reshape(m, tokens)
+    view = logit_block.viewer(h.dtype, cap)
+    live = -(-live // k)
+
+    def stats(i, carry):
+        lse, loss, hits = carry
+        lse_i, first, p_y, _ = softmax_sums(x[i], emb, None, y_f[i], w_f[i], view, gradient=False)
+        loss = loss + ((lse_i - view(p_y)[0]) * w_f[i]).sum()
+        hits = hits + ((first == y_f[i]).astype(jnp.float32) * w_f[i]).sum()
+        return lse.at[i].set(lse_i), loss, hits
+    zero = jnp.zeros((), jnp.float32)
+    lse, loss, hits = jax.lax.fori_loop(0, live, stats, (jnp.zeros((m, tokens), jnp.float32), zero, zero))
+
+    parts, rows = _slices(emb)
+    size = emb.shape[0] // parts
+    x_t = cpu_forms.transposed(x)  # [m, H, tokens]
+    bits = cpu_forms.bits_type(emb.dtype)
+
+    def by_slice(d_h, s):  # d_h: float32 [m, H, tokens]
+        part = rows(s)
+        cols = cpu_forms.transposed(part)  # [H, S]
+
+        def by_chunk(i, carry):
+            d_h, d_part = carry
+            logits, th = view(jnp.dot(part, x_t[i], preferred_element_type=jnp.float32))  # [S, N]
+            d = logit_block.logit_gradient(logits, lse[i], y_f[i] - s * size, w_f[i], th, axis=0)
+            d = d.astype(emb.dtype)
+            d_part = d_part + jnp.dot(d, x[i], preferred_element_type=jnp.float32)
+            return d_h.at[i].add(jnp.dot(cols, d, preferred_element_type=jnp.float32)), d_part
+        d_h, d_part = jax.lax.fori_loop(0, live, by_chunk, (d_h, jnp.zeros((size, hidden), jnp.float32)))
+        # as bits: XLA:CPU would widen the stacked bfloat16 gradient for each slice's update
+        return d_h, jax.lax.bitcast_convert_type(d_part.astype(emb.dtype), bits)
+    d_h, d_emb = jax.lax.scan(by_slice, jnp.zeros((m, hidden, tokens), jnp.float32), jnp.arange(parts))
+    d_emb = jax.lax.bitcast_convert_type(d_emb.reshape(emb.shape), emb.dtype)
+    d_h = jnp.swapaxes(d_h, 1, 2).astype(h.dtype).reshape(m, b, k * c, hidden)
+    return loss, hits, _unjoin(d_h, k), d_emb
