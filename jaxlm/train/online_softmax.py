@@ -1,4 +1,5 @@
-"""The loss and d_hidden of a frozen tied table on XLA:CPU, a vocabulary slice at a time.
+"""The chunked loss on XLA:CPU a vocabulary slice at a time: a frozen tied table's loss and
+d_hidden in one pass (`loss`), a trained table's with its gradient in two (`trained_loss`).
 
 Under LoRA the table takes no gradient, so a chunk's loss needs of its logits only their
 logsumexp, their argmax, the target's logit and d_hidden = softmax @ table - table[target]
