@@ -166,6 +166,26 @@ def plain_attention():
         kernels._cpu_softmax_attention, kernels.CPU_QUERY_BLOCK = core, block
 
 
+def laid_out(source, dtype):
+    """-> (model, params, train layout or None) for a LoRA step on CPU, as train.py builds it."""
+    model, params = load(source, dtype=dtype)
+    model = trainer.training_model(model, lora=True, platform="cpu")
+    return model, params, trainer.train_layout_of(model, params, lora=True, platform="cpu")
+
+
+def scoped_runs(variants: dict, info: dict, *step_args, **step_kw) -> dict:
+    """{name: (context manager, ...)} -> {name: run}: `lora_step(*step_args, **step_kw)`
+    traced inside each variant's contexts, its info in info[name]."""
+    runs = {}
+    for name, scopes in variants.items():
+        with contextlib.ExitStack() as stack:
+            for scope in scopes:
+                stack.enter_context(scope())
+            run, info[name] = lora_step(*step_args, **step_kw)
+        runs[name] = stepper(run)
+    return runs
+
+
 @contextlib.contextmanager
 def token_major_loss():
     """Trace the loss token-major on one device too, as before jaxlm/train/online_softmax.py:
@@ -319,34 +339,22 @@ def main(argv=None) -> int:
                 run, info[name] = lora_step(model, params, mesh, args.batch, args.seq, activations=on)
                 runs[name] = stepper(run)
         elif what == "train_layout":
-            model, params = load(source, dtype="bfloat16")
-            model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
-            laid = trainer.train_layout_of(model, params, lora=True, platform="cpu")
+            model, params, laid = laid_out(source, "bfloat16")
             for name, tl in (("laid", laid), ("plain", None)):
                 run, info[name] = lora_step(model, params, one, args.batch, args.seq, train_layout=tl)
                 runs[name] = stepper(run)
         elif what == "attention":
-            model, params = load(source, dtype="bfloat16")
-            model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
-            laid = trainer.train_layout_of(model, params, lora=True, platform="cpu")
-            for name, scope in (("kernel", contextlib.nullcontext), ("plain", plain_attention)):
-                with scope():
-                    run, info[name] = lora_step(model, params, one, args.batch, args.seq, train_layout=laid)
-                runs[name] = stepper(run)
+            model, params, laid = laid_out(source, "bfloat16")
+            runs = scoped_runs({"kernel": (), "plain": (plain_attention,)}, info,
+                               model, params, one, args.batch, args.seq, train_layout=laid)
         elif what == "hidden":
             model, params = load(source, dtype=args.dtype)
-            for name, scope in (("sliced", contextlib.nullcontext), ("whole", whole_hidden_gradient)):
-                with scope(), token_major_loss():
-                    run, info[name] = lora_step(model, params, one, args.batch, args.seq)
-                runs[name] = stepper(run)
+            runs = scoped_runs({"sliced": (token_major_loss,), "whole": (whole_hidden_gradient, token_major_loss)},
+                               info, model, params, one, args.batch, args.seq)
         elif what == "online":
-            model, params = load(source, dtype=args.dtype)
-            model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
-            laid = trainer.train_layout_of(model, params, lora=True, platform="cpu")
-            for name, scope in (("online", contextlib.nullcontext), ("token_major", token_major_loss)):
-                with scope():
-                    run, info[name] = lora_step(model, params, one, args.batch, args.seq, train_layout=laid)
-                runs[name] = stepper(run)
+            model, params, laid = laid_out(source, args.dtype)
+            runs = scoped_runs({"online": (), "token_major": (token_major_loss,)}, info,
+                               model, params, one, args.batch, args.seq, train_layout=laid)
         elif what == "layout":
             runs = layout_runs(*load(source), args.decode_batches, args.new_tokens)
         elif what == "scored":

@@ -6,7 +6,7 @@ it widens the operands to float32 first, and multiplies at float32's speed. XLA 
 give a transposed array a transposed layout rather than move its elements, so the operands
 are written out row-major behind a barrier (`transposed`, `row_major`). It also has no
 bfloat16 dynamic slice or update, and widens the whole array for one: narrow data moves as
-same-width unsigned integers (`bits_type`, `bits_slice`, `bits_take`).
+same-width unsigned integers (`bits_type`, `bits_slice`, `loop_slice`, `bits_take`).
 
 How fast that form runs a product of a few rows depends on the CPU (`amx`).
 
@@ -99,6 +99,14 @@ def bits_slice(w, i, size: int, axis: int):
     bits = jax.lax.bitcast_convert_type(w, bits_type(w.dtype))
     part = jax.lax.dynamic_slice_in_dim(bits, i * size, size, axis)
     return jax.lax.bitcast_convert_type(part, w.dtype)
+
+
+def loop_slice(w, i, size: int, axis: int):
+    """Slice i of w inside a loop over the slices: cut from its bits where w is narrow
+    (`bits_slice`), a plain dynamic slice of a float32 w (which XLA:CPU slices as it is)."""
+    if jnp.dtype(w.dtype).itemsize < 4:
+        return bits_slice(w, i, size, axis)
+    return jax.lax.dynamic_slice_in_dim(w, i * size, size, axis)
 
 
 def bits_take(table, ids):

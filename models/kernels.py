@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from models import layers, train_layout
-from models.cpu_forms import (batched_product, bits_slice, product, row_major, row_major_t,
-                              transposed)
+from models.cpu_forms import (batched_product, bits_slice, loop_slice, product, row_major,
+                              row_major_t, transposed)
 
 
 def by_platform(*args, cpu, plain):
@@ -72,10 +72,10 @@ def slices(rows: int, cols: int, dtype) -> int:
     the fewest that divide `cols` and keep a float32 [rows, cols / n] within SLICE_BYTES."""
     if jnp.dtype(dtype) == jnp.float32:
         return 1
-    return _fewest_parts(cols, -(-4 * rows * cols // SLICE_BYTES))
+    return fewest_parts(cols, -(-4 * rows * cols // SLICE_BYTES))
 
 
-def _fewest_parts(total: int, at_least: int) -> int:
+def fewest_parts(total: int, at_least: int) -> int:
     """The smallest n >= max(at_least, 1) that divides `total` (none above it: an error)."""
     return next(n for n in range(max(1, at_least), total + 1) if total % n == 0)
 
@@ -134,16 +134,12 @@ def _tied_hidden_gradient(d, emb):
 
 def _cpu_tied_hidden_gradient(d, emb):
     v, rows = emb.shape[0], HIDDEN_GRADIENT_ROWS * 4 // jnp.dtype(emb.dtype).itemsize
-    n = _fewest_parts(v, -(-v // rows))
+    n = fewest_parts(v, -(-v // rows))
     size = v // n
     if n == 1 or 4 * size < rows or layers.traced_devices() > 1:  # one slice, no fit
         return _tied_hidden_gradient(d, emb)
-    narrow = jnp.dtype(emb.dtype).itemsize < 4
-    cut = bits_slice if narrow else (lambda w, i, size, axis: jax.lax.dynamic_slice_in_dim(  # noqa: E731
-        w, i * size, size, axis))
-
     def body(i, total):
-        return total + jnp.dot(cut(d, i, size, 1), cut(emb, i, size, 0),
+        return total + jnp.dot(loop_slice(d, i, size, 1), loop_slice(emb, i, size, 0),
                                preferred_element_type=jnp.float32)
     return jax.lax.fori_loop(0, n, body, jnp.zeros((d.shape[0], emb.shape[1]), jnp.float32))
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlm.train import logit_block
-from models import cpu_forms
+from models import cpu_forms, kernels
 
 # Table rows a slice (at most; the fewest slices that split V evenly): a slice's float32
 # logits for a 1024-token chunk are 8 MiB. The 270M's loss and d_hidden of 1024 tokens alone
@@ -163,14 +163,8 @@ def _slices(emb):
     """-> (the number of slices of the table's rows, rows(i) -> slice i [V / parts, H]): the
     fewest slices of at most COLUMNS rows that split V evenly."""
     v = emb.shape[0]
-    parts = next(p for p in range(-(-v // COLUMNS), v + 1) if v % p == 0)
-    size = v // parts
-
-    def rows(i):
-        if jnp.dtype(emb.dtype).itemsize < 4:
-            return cpu_forms.bits_slice(emb, i, size, 0)
-        return jax.lax.dynamic_slice_in_dim(emb, i * size, size, 0)
-    return parts, rows
+    parts = kernels.fewest_parts(v, -(-v // COLUMNS))
+    return parts, lambda i: cpu_forms.loop_slice(emb, i, v // parts, 0)
 
 
 def trained_loss(h, emb, y, w, live, cap):
