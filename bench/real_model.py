@@ -53,6 +53,7 @@ forces one form.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -74,7 +75,7 @@ import numpy as np  # noqa: E402
 import jaxlm  # noqa: E402
 from jaxlm import decode  # noqa: E402
 from jaxlm.convert import __main__ as convert  # noqa: E402
-from bench.common import (allocator_line, host_line, matmul_peak, model_flops_per_token,  # noqa: E402
+from bench.common import (allocator_line, host_line, matmul_peak, model_flops_per_token, peak_after,  # noqa: E402
                           timed, versions_line)
 from bench.train_step import interleaved, jaxlm_runner, keras_runner  # noqa: E402
 from jaxlm.train import trainer  # noqa: E402
@@ -361,7 +362,7 @@ def main(argv=None) -> int:
             check_same_logits(models, cfg.vocab_size, args.dtype)
 
         lines = list(decode_bench(models, cfg.vocab_size, args).values())  # before training
-        memory, trained = {}, []
+        memory, trained = {}, []  # trained: train_line(peak) per mode and length
         for mode in modes:  # LoRA first, in this process: the frameworks take turns
             rank = args.rank if mode == "lora" else 0
             for seq, batch_size in zip(args.seqs, args.batches):
@@ -383,17 +384,12 @@ def main(argv=None) -> int:
                                for f in frameworks}
                     times = interleaved(runners, args.warmup, args.steps, args.rounds)
                     del runners
-                trained.append((mode, seq, batch_size, rank, times, mode in isolated))
+                trained.append(functools.partial(train_line, mode, seq, batch_size, rank, times, cfg,
+                                                 isolated=mode in isolated))
         models.clear()
         if trained:
-            # Measured again after the steps, the higher taken: a shared host's speed drifts, and a
-            # peak caught on a slow spell (760 vs 1344 GFLOP/s in two runs an hour apart on one
-            # Xeon) would flatter every fraction of it.
-            again = matmul_peak(sizes=peak_sizes, dtype=args.dtype)
-            print(f"measured {args.dtype} matmul peak after the steps: {again / 1e9:.1f} GFLOP/s "
-                  f"(MFU over {max(peak, again) / 1e9:.1f})")
-            peak = max(peak, again)
-        lines += [train_line(*t[:4], t[4], cfg, peak, t[5]) for t in trained]
+            peak = peak_after(peak, sizes=peak_sizes, dtype=args.dtype)
+        lines += [line(peak) for line in trained]
         if args.memory == "on":
             for mode in modes:
                 if mode not in memory:

@@ -21,7 +21,7 @@ tokens per sequence, q heads x head_dim = Nq*D:
     full: 6N + 12 L T Nq D   (forward 2N, backward 4N; attention scores and values)
     LoRA: 4N +  8 L T Nq D   (no weight gradients for the frozen base)
 The machine's peak is measured here: the best of jitted float32 [n, n] matmuls, n = 1024, 2048, 4096
-(`bench.common.matmul_peak`), before and after the steps; the MFU line is over the higher.
+(`bench.common.matmul_peak`), before and after the steps; the MFU lines are over the higher.
 
 Ends with
     BENCH train_lora jaxlm=<tok/s> keras=<tok/s> ratio=<x> unit=tokens/s
@@ -50,7 +50,7 @@ from jaxlm.train import optim  # noqa: E402
 from jaxlm.train.loss import lm_loss_fn  # noqa: E402
 from jaxlm.train.step import make_train_step  # noqa: E402
 from jaxlm.train.trainer import init_state  # noqa: E402
-from bench.common import allocator_line, host_line, matmul_peak, model_flops_per_token, timed  # noqa: E402
+from bench.common import allocator_line, host_line, matmul_peak, model_flops_per_token, peak_after, timed  # noqa: E402
 
 
 def build_keras(args, preset_dir: str):
@@ -178,15 +178,13 @@ def main(argv=None) -> int:
             j, k = (statistics.median(sum(times[name], [])) if name in times else None
                     for name in ("jaxlm", "keras"))
             results[mode] = (j, k)
-            flops = model_flops_per_token(cfg, args.seq, rank) * tokens
-            print(f"{mode:>4}: jaxlm {j * 1e3:8.1f} ms/step {tokens / j:8.1f} tok/s "
-                  f"{flops / j / 1e9:6.1f} GFLOP/s ({flops / j / peak:.0%} of peak)"
-                  + ("" if k is None else f" | keras {k * 1e3:8.1f} ms/step {tokens / k:8.1f} tok/s "
-                     f"({flops / k / peak:.0%}) | ratio {k / j:.2f}x"))
-    again = matmul_peak()  # the higher of two, as bench/real_model.py: a shared host's speed drifts
-    print(f"measured float32 matmul peak after the steps: {again / 1e9:.1f} GFLOP/s; the BENCH line's "
-          f"MFU is over {max(peak, again) / 1e9:.1f}")
-    peak = max(peak, again)
+    peak = peak_after(peak)
+    for mode, rank in (("full", 0), ("lora", args.rank)):
+        (j, k), flops = results[mode], model_flops_per_token(cfg, args.seq, rank) * tokens
+        print(f"{mode:>4}: jaxlm {j * 1e3:8.1f} ms/step {tokens / j:8.1f} tok/s "
+              f"{flops / j / 1e9:6.1f} GFLOP/s ({flops / j / peak:.0%} of peak)"
+              + ("" if k is None else f" | keras {k * 1e3:8.1f} ms/step {tokens / k:8.1f} tok/s "
+                 f"({flops / k / peak:.0%}) | ratio {k / j:.2f}x"))
     print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} (1, 5 min) on {os.cpu_count()} cores")
     print(allocator_line())
     print(host_line())
