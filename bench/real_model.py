@@ -194,20 +194,26 @@ def hf_runner(hf, batch, lora_rank: int):
 
 def runner(framework: str, model, batch, batch_size: int, lora_rank: int, layers: str):
     if framework == "jaxlm":
-        m, params = model
-        narrow = m.config.dtype != "float32"
-        if layers == "train":  # the layer form train.py's step takes
-            m = trainer.training_model(m, lora=bool(lora_rank), platform="cpu")
-        elif layers == "unrolled" or narrow:
-            m = type(m)(m.config.replace(scan_layers=False))
-        if not lora_rank:  # the step donates what it trains; keep the loaded weights
-            params = jax.tree.map(lambda x: x.copy(), params)
-        # the CPU train layout where train.py builds one (a narrow LoRA step of a small base)
-        layout = trainer.train_layout_of(m, params, lora=bool(lora_rank), platform="cpu")
+        m, params, layout = as_trained(model, lora_rank, layers)
         return jaxlm_runner(m, params, batch, lora_rank, layout)
     if framework == "hf":
         return hf_runner(model, batch, lora_rank)
     return keras_runner(model.backbone, batch, batch_size, lora_rank, task="Gemma3CausalLM")
+
+
+def as_trained(model, lora_rank: int, layers: str = "train"):
+    """jaxlm's (model, params) -> (model, params, train layout or None) as the step takes them:
+    the layer form of `layers` (train: as train.py's step) and the CPU train layout where
+    train.py builds one (a narrow LoRA step of a small base)."""
+    m, params = model
+    narrow = m.config.dtype != "float32"
+    if layers == "train":
+        m = trainer.training_model(m, lora=bool(lora_rank), platform="cpu")
+    elif layers == "unrolled" or narrow:
+        m = type(m)(m.config.replace(scan_layers=False))
+    if not lora_rank:  # the step donates what it trains; keep the loaded weights
+        params = jax.tree.map(lambda x: x.copy(), params)
+    return m, params, trainer.train_layout_of(m, params, lora=bool(lora_rank), platform="cpu")
 
 
 def random_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> dict:

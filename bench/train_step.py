@@ -103,6 +103,18 @@ def keras_runner(backbone, batch, batch_size: int, lora_rank: int, task: str = "
 def jaxlm_runner(model, params, batch, lora_rank: int, train_layout=None):
     """-> run(n): seconds per synced step for n more steps of the same jitted step.
     train_layout: under LoRA, the trainer's (`jaxlm.train.trainer.train_layout_of`)."""
+    step, state, frozen, device_batch = jaxlm_step(model, params, batch, lora_rank, train_layout)
+
+    def one():
+        nonlocal state
+        state, metrics = step(state, frozen, device_batch)
+        jax.block_until_ready((state, metrics))
+    return lambda n: timed(one, n)
+
+
+def jaxlm_step(model, params, batch, lora_rank: int, train_layout=None):
+    """-> (jitted step, state, frozen, device batch) of `jaxlm_runner`: AdamW, LoRA factors
+    of `lora_rank` (or every weight trained at 0)."""
     optimizer = optim.make_optimizer(optim.OptimConfig())
     if lora_rank:
         trainable = lora.init(params, lora_rank, key=jax.random.key(0))
@@ -115,13 +127,7 @@ def jaxlm_runner(model, params, batch, lora_rank: int, train_layout=None):
     del trainable, params
     step = make_train_step(lm_loss_fn(model), optimizer, merge=merge,
                            layout=train_layout is not None and bool(lora_rank))
-    device_batch = jax.device_put(batch)
-
-    def one():
-        nonlocal state
-        state, metrics = step(state, frozen, device_batch)
-        jax.block_until_ready((state, metrics))
-    return lambda n: timed(one, n)
+    return step, state, frozen, jax.device_put(batch)
 
 
 def interleaved(runners: dict, warmup: int, steps: int, rounds: int) -> dict:

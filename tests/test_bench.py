@@ -212,3 +212,34 @@ def test_demo_bench_measures_both_commands():
     assert abs(float(two["over_one"]) - sum(peaks) / positive(one["peak_kb"])) < 1e-3
     assert positive(one["wall_s"]) and positive(two["wall_s"])
     assert one["exact_match"] == two["exact_match"] == "0/40"  # a random toy model, the same data
+
+
+def test_profile_bench_splits_the_traced_step_into_products_and_the_rest():
+    out, lines = run_bench("profile_step.py", "--tiny", "--batch=2", "--seq=16")
+    assert_names_its_host(out)
+    line = lines["profile_lora_bf16_t16"]
+    step, products, other, idle = (positive(line[k]) if k != "idle_ms" else float(line[k])
+                                   for k in ("step_ms", "products_ms", "other_ms", "idle_ms"))
+    assert products + other + idle <= step + 0.15  # the ops' span is inside the timed call
+    mfu, ceiling = positive(line["mfu"]), positive(line["mfu_products_only"])
+    assert abs(ceiling / mfu - step / products) < 0.05 * step / products
+    assert "cpu_online" in out.split("top products", 1)[1]  # the loss's products are found
+
+
+def test_profile_bench_finds_every_product_and_nothing_else():
+    """A product in a fusion, one nested in a loop, and elementwise ops around them."""
+    import jax
+    import jax.numpy as jnp
+    sys.path.insert(0, ROOT)
+    from bench.profile_step import product_ops
+
+    def f(a, b):
+        c = jnp.tanh(a @ b) * 2.0
+        c = jax.lax.fori_loop(0, 3, lambda i, x: jnp.exp(x @ b) + i, c)
+        return (c.sum(axis=0) + 1.0, jnp.einsum("ij,kj->ik", c, a))
+    x = jnp.ones((64, 64), jnp.bfloat16)
+    hlo = jax.jit(f).lower(x, x).compile().as_text()
+    products, labels = product_ops(hlo)
+    assert len(products) == 3, products
+    assert all("dot_general" in labels[p] or "einsum" in labels[p] for p in products), labels
+    assert not any(labels[n].endswith(("/tanh", "/exp", "/reduce_sum")) for n in products)
