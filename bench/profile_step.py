@@ -151,7 +151,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--top", type=int, default=12)
-    p.add_argument("--trace_dir", default=None, help="keep the trace here (default: a temporary folder)")
+    p.add_argument("--trace_dir", default=None,
+                   help="keep the trace and the compiled program here (default: a temporary folder)")
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args(argv)
     print(host_line())
@@ -197,7 +198,10 @@ def main(argv=None) -> int:
         for label, us in top.most_common(args.top):
             print(f"  {us / 1e3:8.1f}  {label[-110:]}")
     if args.trace_dir:
-        print(f"trace kept in {trace_dir} (open the .trace.json.gz in ui.perfetto.dev)")
+        with open(os.path.join(trace_dir, "step.hlo.txt"), "w") as f:
+            f.write(hlo)
+        print(f"trace kept in {trace_dir} (open the .trace.json.gz in ui.perfetto.dev; the "
+              f"compiled program, whose instruction names the trace's ops carry: step.hlo.txt)")
     name = f"profile_{args.mode}{'' if args.dtype == 'float32' else '_bf16'}_t{args.seq}"
     print(f"BENCH {name} step_ms={seconds * 1e3:.1f} products_ms={ms['products']:.1f} other_ms={ms['other']:.1f} "
           f"idle_ms={ms['idle']:.1f} mfu={mfu:.4g} mfu_products_only={ceiling:.4g} unit=ms")
