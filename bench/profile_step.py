@@ -97,23 +97,8 @@ def trace_events(trace_dir: str, module: str) -> list:
             and "hlo_op" in e["args"] and not e["name"].startswith("end:")]
 
 
-def covered(intervals) -> float:
-    """Length of the union of [start, end) intervals."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
-
-
-def outside(start: float, end: float, spans: list) -> float:
-    """Length of [start, end) not covered by `spans` (sorted, disjoint)."""
-    inside = sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans if a < end and b > start)
-    return end - start - inside
-
-
 def merged(intervals) -> list:
+    """[start, end) intervals -> their union as sorted, disjoint [start, end] lists."""
     out = []
     for start, end in sorted(intervals):
         if out and start <= out[-1][1]:
@@ -123,13 +108,24 @@ def merged(intervals) -> list:
     return out
 
 
+def covered(intervals) -> float:
+    """Length of the union of [start, end) intervals."""
+    return sum(end - start for start, end in merged(intervals))
+
+
+def outside(start: float, end: float, spans: list) -> float:
+    """Length of [start, end) not covered by `spans` (sorted, disjoint)."""
+    inside = sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans if a < end and b > start)
+    return end - start - inside
+
+
 def split(events: list, products: set, labels: dict) -> dict:
     """events -> {"span", "products", "other", "idle" (us), "top_other", "top_products"}: the
     top lists are {op_name with layer numbers as *: us}, other ops' time outside every product."""
     span = max(e for _, e, _ in events) - min(s for s, _, _ in events)
     prod = [(s, e) for s, e, op in events if op in products]
-    busy, in_products = covered([(s, e) for s, e, _ in events]), covered(prod)
     spans = merged(prod)
+    busy, in_products = covered([(s, e) for s, e, _ in events]), covered(spans)
     top_other, top_products = collections.Counter(), collections.Counter()
 
     def group(op):
