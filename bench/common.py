@@ -58,7 +58,6 @@ def matmul_peak(sizes=(1024, 2048, 4096), repeats: int = 5, dtype=jnp.float32) -
     return best
 
 
-
 def peak_after(peak: float, **kw) -> float:
     """`matmul_peak(**kw)` measured again after a bench's steps -> the higher of it and `peak`
     (both printed): a shared host's speed drifts, and a peak caught on a slow spell flatters

@@ -57,8 +57,7 @@ def product_ops(hlo: str) -> tuple[set, dict]:
     """The compiled module's text -> (names of the instructions that multiply: a `dot` or
     `convolution`, or a fusion whose computation holds one at any depth; {instruction name:
     its op_name metadata})."""
-    direct, callees, fusions, labels, current = set(), collections.defaultdict(set), {}, {}, None
-    dots = {}  # dot instruction -> its computation
+    dots, callees, fusions, labels, current = {}, collections.defaultdict(set), {}, {}, None
     for line in hlo.splitlines():
         if (m := _COMPUTATION.match(line)):
             current = m.group(1)
@@ -69,13 +68,12 @@ def product_ops(hlo: str) -> tuple[set, dict]:
         label = _OP_NAME.search(line)
         labels[name] = label.group(1) if label else ""
         if opcode in ("dot", "convolution"):
-            direct.add(current)
-            dots[name] = current
+            dots[name] = current  # the product and the computation it is in
         for callee in _CALLS.findall(line):
             callees[current].add(callee)
             if opcode == "fusion":
                 fusions[name] = callee
-    holds, grew = set(direct), True
+    holds, grew = set(dots.values()), True
     while grew:  # a fusion's computation may call one that multiplies
         more = {c for c, called in callees.items() if called & holds} - holds
         holds, grew = holds | more, bool(more)
@@ -90,7 +88,8 @@ def product_ops(hlo: str) -> tuple[set, dict]:
 def trace_events(trace_dir: str, module: str) -> list:
     """-> [(start us, end us, op name)] of the module's ops in the trace under trace_dir."""
     path = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)[0]
-    events = json.load(gzip.open(path))
+    with gzip.open(path) as f:
+        events = json.load(f)
     events = events["traceEvents"] if isinstance(events, dict) else events
     return [(e["ts"], e["ts"] + e["dur"], e["args"]["hlo_op"]) for e in events
             if e.get("ph") == "X" and e.get("args", {}).get("hlo_module") == module
