@@ -11,7 +11,7 @@ frozen base is doubled in memory, so it is for bases that are small next to the 
 (`pays`). The real Gemma 3 270M's bfloat16 LoRA step, 8 x 128 tokens, one device of a
 2-core AMX-BF16 host: 4923 -> 2714 ms (`python bench/real_step_ab.py --what=train_layout
 --seq=128`'s `BENCH real_ab_train_layout`; bench/README.md).
-tests/test_kernels.py checks it against the plain step.
+tests/test_train_layout.py checks it against the plain step.
 
     layout = train_layout.build(model, base)
     with train_layout.products(adapters.scale):
@@ -27,6 +27,12 @@ too: an adapted product is x @ W through the layout plus scale * (x @ A) @ B (PE
 `jaxlm.lora.merge` multiplies by W + scale * A @ B, the same sum). Merged, the step would
 multiply a new kernel every step in the slow form (about 400 ms of a 3 s step for the 270M's
 query and value kernels), and a bfloat16 merge rounds away a small update A @ B.
+
+Without a layout (float32, which has no fast form to gain) the factors stay unmerged all the
+same: an adapted product is the stored kernel's einsum plus the low-rank term, so the step
+computes no gradient for a merged kernel (the 270M's float32 LoRA step at 8 x 128 tokens
+3-4% faster than merged, bench/README.md). The low-rank term's backward (`_factored`)
+transposes only its rank-r operands.
 """
 from __future__ import annotations
 
@@ -88,7 +94,7 @@ def matrix(kernel, rows, cols):
 def _intercept(next_fun, args, kwargs, context, scale=1.0):
     """Flax method interceptor: builds the train layout (collection mutable) or multiplies
     through it (collection passed in), adding a module's LoRA factors times `scale`; anything
-    without an entry runs as written."""
+    without an entry runs as written, its factors (if any) added beside."""
     module = context.module
     if not (isinstance(module, layers.Einsum) and context.method_name == "__call__"):
         return next_fun(*args, **kwargs)
@@ -96,10 +102,10 @@ def _intercept(next_fun, args, kwargs, context, scale=1.0):
     eq, x = bound.get("eq"), bound.get("x")
     if eq is None:
         return next_fun(*args, **kwargs)
-    if not holds(module):  # no layout passed
-        if module.has_variable(LORA, "lora_a"):  # unmerged factors need the layout's product
-            raise ValueError(f"LoRA factors at {'/'.join(module.path)} but no train layout there")
-        return next_fun(*args, **kwargs)
+    lora = module.has_variable(LORA, "lora_a")
+    if not holds(module):  # no layout passed: the stored kernel as written, the factors beside
+        y = next_fun(*args, **kwargs)
+        return y + _adapted(module, eq, x, scale) if lora else y
     kernel = next_fun(None)
     ins, outs = axes(eq)
     if module.is_mutable_collection(COLLECTION):  # building: each form not the stored kernel
@@ -115,19 +121,57 @@ def _intercept(next_fun, args, kwargs, context, scale=1.0):
     flat = x.reshape(-1, math.prod(x.shape[-n_in:])).astype(module.dtype)
     y = product(flat, form("forward", ins, outs), form("backward", outs, ins))
     y = y.reshape(*x.shape[:-n_in], *(module.shape[i] for i in outs))
-    if module.has_variable(LORA, "lora_a"):
-        a, b = (module.get_variable(LORA, f).astype(module.dtype) for f in ("lora_a", "lora_b"))
-        y = y + _low_rank(eq, x.astype(module.dtype), a, b * jnp.asarray(scale, module.dtype))
-    return y
+    return y + _adapted(module, eq, x, scale) if lora else y
+
+
+def _adapted(module, eq: str, x, scale):
+    """scale * einsum(eq, x, A @ B) with the module's LoRA factors, in its compute dtype."""
+    a, b = (module.get_variable(LORA, f).astype(module.dtype) for f in ("lora_a", "lora_b"))
+    return _low_rank(eq, x.astype(module.dtype), a, b * jnp.asarray(scale, module.dtype))
 
 
 def _low_rank(eq: str, x, a, b):
     """einsum(eq, x, A @ B) as (x . A) . B: A [*K[:-1], r], B [r, K[-1]] (`jaxlm.lora`'s factors,
-    the product batched over the kernel's leading axes), never forming A @ B."""
+    the product batched over the kernel's leading axes), never forming A @ B. Where eq's output
+    is x's leading axes then the kernel's output axes in order (every Gemma projection), as
+    `_factored`'s matrices."""
     (x_spec, k_spec), y_spec = eq.split("->")[0].split(","), eq.split("->")[1]
-    r = next(c for c in "ZYXWVUSRQPOMLKJIGFEDCBA" if c not in eq)
-    return jnp.einsum(f"{x_spec},{k_spec[:-1]}{r},{r}{k_spec[-1]}->{y_spec}", x, a, b,
-                      optimize="optimal")
+    ins, outs = axes(eq)
+    lead = x.shape[:-len(ins)]
+    if y_spec != x_spec[:-len(ins)] + "".join(k_spec[i] for i in outs) or outs[-1] != a.ndim - 1:
+        r = next(c for c in "ZYXWVUSRQPOMLKJIGFEDCBA" if c not in eq)
+        return jnp.einsum(f"{x_spec},{k_spec[:-1]}{r},{r}{k_spec[-1]}->{y_spec}", x, a, b,
+                          optimize="optimal")
+    heads = outs[:-1]  # the output axes A keeps its own factor for (attention heads)
+    flat = x.reshape(math.prod(lead), -1)
+    y = _factored(flat, matrix(a, ins, heads + [a.ndim - 1]), b)
+    return y.reshape(*lead, *(a.shape[i] for i in heads), b.shape[-1])
+
+
+@jax.custom_vjp
+def _factored(x, a, b):
+    """x [M, K] @ a [K, G * r] -> read as [M * G, r] @ b [r, D] -> [M * G, D], each product in
+    XLA:CPU's fast form. Autodiff's d_b multiplied the [M * G, D] output gradient transposed,
+    and XLA:CPU wrote that copy out each layer (the float32 query's ~100 ms of a 4.8 s step of
+    the real Gemma 3 270M, a profile); here only the rank-r operands are transposed."""
+    return _factored_fwd(x, a, b)[0]
+
+
+def _factored_fwd(x, a, b):
+    h = cpu_forms.product(x, a)
+    return cpu_forms.product(h.reshape(-1, b.shape[0]), b), (x, a, b, h)
+
+
+def _factored_bwd(res, dy):
+    x, a, b, h = res
+    t = cpu_forms.transposed
+    dh = cpu_forms.product(dy, t(b)).reshape(h.shape)  # [M, G * r]
+    db = cpu_forms.product(t(h.reshape(-1, b.shape[0])), dy)  # [r, D]
+    da = cpu_forms.product(t(dh), x).T  # [K, G * r], as [G * r, K] first: x stays as it is
+    return cpu_forms.product(dh, t(a)), da, db
+
+
+_factored.defvjp(_factored_fwd, _factored_bwd)
 
 
 def holds(module) -> bool:

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import Mesh
 
 from fast_form import NARROW_KERNEL_CHOICES, dot_operand_types, narrow
-from models import ffn_kernels, kernels, layers, train_layout
+from models import ffn_kernels, kernels, layers
 from models.gemma import PRESETS, Gemma
 
 TINY = PRESETS["gemma_tiny"].replace(vocab_size=256, num_layers=1)
@@ -250,131 +250,6 @@ def test_the_ffn_kernel_is_chosen_by_the_platform_lowered_for(platform, cpu_kern
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), ids))["params"]
     lowered = jax.jit(_loss_grad(model, ids)).trace(params).lower(lowering_platforms=(platform,))
     assert ("cpu_kernel/_cpu_gated_ffn" in lowered.as_text(debug_info=True)) == cpu_kernel
-
-
-# --- The CPU train layout ----------------------------------------------------------------------
-
-LAID = TINY.replace(num_layers=2, num_kv_heads=2, scan_layers=False, dtype="bfloat16")
-
-
-def _laid_setup(alpha=None):
-    from jaxlm import lora
-    model = Gemma(LAID)
-    ids = jax.random.randint(jax.random.key(1), (2, 9), 0, LAID.vocab_size)
-    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16),
-                          model.init(jax.random.key(0), ids[:, :-1])["params"])
-    adapters = jax.tree.map(lambda a: a + 0.1, lora.init(params, 4, key=jax.random.key(2), alpha=alpha))
-    layout = train_layout.build(model, params)
-    return model, params, adapters, layout, {"token_ids": ids, "padding_mask": jnp.ones_like(ids, bool)}
-
-
-def test_the_train_layout_holds_each_frozen_weight_in_the_form_it_lacks():
-    """Each kernel as [in, out] and [out, in] matrices where the stored kernel is not that
-    reshaped (the LoRA targets too: the factors are added beside, not merged); the table as
-    [H, V]. The copies are the weights, exactly."""
-    _, params, _, layout, _ = _laid_setup()
-    h, n, k, d, f = LAID.hidden_dim, LAID.num_heads, LAID.num_kv_heads, LAID.head_dim, LAID.ffw_dim
-    shapes = jax.tree.map(lambda x: x.shape, layout)
-    assert set(shapes["decoder_block_0"]["attention"]) == {"query", "key", "value", "attention_output"}
-    assert shapes["decoder_block_0"]["attention"]["key"] == {"forward": (h, k * d), "backward": (k * d, h)}
-    assert shapes["decoder_block_0"]["attention"]["query"] == {"forward": (h, n * d), "backward": (n * d, h)}
-    assert shapes["decoder_block_1"]["attention"]["attention_output"] == {"backward": (h, n * d)}
-    assert shapes["decoder_block_1"]["ffw_gating"] == {"backward": (f, h)}
-    assert shapes["decoder_block_1"]["ffw_linear"] == {"backward": (h, f)}
-    assert shapes["token_embedding"] == {"columns": (h, LAID.vocab_size)}
-    key = params["decoder_block_1"]["attention"]["key"]["kernel"]  # [K, H, D]
-    laid = layout["decoder_block_1"]["attention"]["key"]
-    np.testing.assert_array_equal(laid["forward"], key.transpose(1, 0, 2).reshape(h, -1))
-    np.testing.assert_array_equal(laid["backward"], key.transpose(0, 2, 1).reshape(-1, h))
-    np.testing.assert_array_equal(layout["token_embedding"]["columns"],
-                                  params["token_embedding"]["embeddings"].T)
-
-
-@pytest.mark.parametrize("targets", [None, (".*/kernel",)])
-def test_lora_beside_the_train_layout_is_the_merged_step_in_float32(targets):
-    """The math, without bfloat16's rounding: the step through the layout with the LoRA
-    factors added beside each product (scale 4) equals the merged plain step, for KerasHub's
-    targets and with every kernel adapted (each einsum's low-rank form)."""
-    from jaxlm import lora
-    from jaxlm.train.loss import lm_loss_fn
-    model = Gemma(LAID.replace(dtype="float32"))
-    ids = jax.random.randint(jax.random.key(1), (2, 9), 0, LAID.vocab_size)
-    params = model.init(jax.random.key(0), ids[:, :-1])["params"]
-    adapters = jax.tree.map(lambda a: a + 0.1, lora.init(params, 4, key=jax.random.key(2),
-                                                          alpha=16.0, targets=targets))
-    layout = train_layout.build(model, params)
-    batch = {"token_ids": ids, "padding_mask": jnp.ones_like(ids, bool)}
-    loss = lm_loss_fn(model)
-    plain = jax.jit(jax.value_and_grad(lambda a: loss(lora.merge(params, a), batch, None)[0]))(adapters)
-    laid = jax.jit(jax.value_and_grad(
-        lambda a: loss(params, batch, None, layout=layout, adapters=a)[0]))(adapters)
-    np.testing.assert_allclose(laid[0], plain[0], rtol=1e-6)
-    # float32 summation order: with every kernel adapted, block 0's ffw_linear lora_a gets a
-    # gradient 10x smaller than the rest, and each step is within 1.3e-4 of its largest entry
-    # from the naive full-logits loss's (2026-12-05)
-    for a, b in zip(jax.tree.leaves(laid[1]), jax.tree.leaves(plain[1])):
-        np.testing.assert_allclose(a, b, rtol=0, atol=2e-4 * float(np.abs(b).max()))
-
-
-@pytest.mark.parametrize("alpha", [None, 16.0])
-def test_a_bfloat16_lora_step_through_the_train_layout_is_as_close_to_float32_as_the_plain_one(alpha):
-    """Loss and adapter gradients of a bfloat16 Gemma LoRA step through the layout, with the
-    adapters unmerged beside it, are as close to the float32 step's as the plain merged
-    bfloat16 step's are (the two round differently), and the step does multiply through the
-    layout: every one of the seven kernels of each layer."""
-    from jaxlm import lora
-    from jaxlm.train.loss import lm_loss_fn
-    model, params, adapters, layout, batch = _laid_setup(alpha)
-    loss = lm_loss_fn(model)
-    wide = Gemma(LAID.replace(dtype="float32"))
-    wide_params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
-
-    def f(a, laid):
-        if laid is None:
-            return loss(lora.merge(params, a), batch, None)[0].astype(jnp.float32)
-        return loss(params, batch, None, layout=laid, adapters=a)[0].astype(jnp.float32)
-    exact = jax.jit(jax.value_and_grad(lambda a: lm_loss_fn(wide)(lora.merge(wide_params, a), batch, None)[0]))(adapters)
-    plain = jax.jit(jax.value_and_grad(f))(adapters, None)
-    laid = jax.jit(jax.value_and_grad(f))(adapters, layout)
-
-    def errors(got):  # per gradient leaf, max |error| over the leaf's largest value
-        return [float(np.abs(np.float32(g) - e).max() / np.abs(e).max())
-                for g, e in zip(jax.tree.leaves(got[1]), jax.tree.leaves(exact[1]))]
-    np.testing.assert_allclose(laid[0], exact[0], rtol=1e-3)
-    assert max(errors(laid)) < 0.05
-    assert sum(errors(laid)) < 1.5 * sum(errors(plain))
-    program = str(jax.make_jaxpr(jax.grad(f))(adapters, layout))
-    assert program.count("name=product") == 7 * LAID.num_layers
-    assert "name=product" not in str(jax.make_jaxpr(jax.grad(f))(adapters, None))
-
-
-def test_unmerged_adapters_never_go_unused():
-    """Passed beside the layout, the LoRA factors must reach every adapted product: a layer
-    scan (whose blocks see only their params) and a module without a layout are refused."""
-    from jaxlm.train.loss import lm_loss_fn
-    model, params, adapters, layout, batch = _laid_setup()
-    scanned = Gemma(LAID.replace(scan_layers=True))
-    with pytest.raises(ValueError, match="unrolled layers"):
-        lm_loss_fn(scanned)(params, batch, None, layout=layout, adapters=adapters)
-    partial = {**layout, "decoder_block_1": {k: v for k, v in layout["decoder_block_1"].items()
-                                             if k != "attention"}}
-    with pytest.raises(ValueError, match="decoder_block_1/attention/query but no train layout"):
-        lm_loss_fn(model)(params, batch, None, layout=partial, adapters=adapters)
-    from jaxlm import lora  # an FFN target whose layout is missing is refused the same way
-    ffn = lora.init(params, 4, key=jax.random.key(2), targets=(".*/ffw_gating/kernel",))
-    partial = {**layout, "decoder_block_1": {k: v for k, v in layout["decoder_block_1"].items()
-                                             if k != "ffw_gating"}}
-    with pytest.raises(ValueError, match="decoder_block_1/ffw_gating but no train layout"):
-        lm_loss_fn(model)(params, batch, None, layout=partial, adapters=ffn)
-
-
-def test_the_train_layout_is_for_narrow_small_bases_on_cpu_only():
-    most = train_layout.MAX_BYTES
-    assert train_layout.pays("cpu", jnp.bfloat16, most)
-    assert not train_layout.pays("cpu", jnp.float32, 1)  # float32 has no fast form to gain
-    assert not train_layout.pays("cpu", jnp.bfloat16, most + 1)  # Gemma 2B: 5 GB more
-    assert not train_layout.pays("tpu", jnp.bfloat16, 1)
-    assert not train_layout.pays("gpu", jnp.bfloat16, 1)
 
 
 def _attention_inputs(dtype, b=2, t=12, n=4, kv=2, d=8):

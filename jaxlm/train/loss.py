@@ -342,15 +342,17 @@ def lm_loss_fn(model, *, chunk_size: int | None = None, chunk_logits: int | None
             weights = batch["loss_mask"][:, 1:]
         packed = {k: batch[k][:, :-1] for k in ("segment_ids", "positions") if k in batch}
         variables, products, columns = {"params": params}, contextlib.nullcontext(), None
-        if layout is not None:
+        if layout is not None or adapters is not None:
             if getattr(model.config, "scan_layers", False):
                 # a scan applies its blocks apart from these collections: the adapters would be lost
-                raise ValueError("the train layout needs unrolled layers (scan_layers=False)")
-            variables[train_layout.COLLECTION] = layout
+                raise ValueError("the train layout and unmerged adapters need unrolled layers "
+                                 "(scan_layers=False)")
+            if layout is not None:
+                variables[train_layout.COLLECTION] = layout
+                columns = layout.get("token_embedding", {}).get("columns")
             if adapters is not None:
                 variables[train_layout.LORA] = dict(adapters)
             products = train_layout.products(1.0 if adapters is None else adapters.scale)
-            columns = layout["token_embedding"]["columns"]
         with products:
             hidden = model.apply(variables, inputs, input_mask, return_hidden=True, **packed)
         m = chunked_cross_entropy(hidden, params["token_embedding"]["embeddings"], targets, weights,
