@@ -171,7 +171,8 @@ def test_lora_alpha_is_evaluated_and_exported_as_trained(tmp_path):
 
 def _lora_losses(policy, laid: bool, steps=4):
     """LoRA rank 4 on gemma_tiny (1x8 mesh, built-in tasks) under `policy`, with or without the
-    CPU train layout; -> (the layout or None, the step losses)."""
+    CPU train layout (for float32: unmerged beside the stored kernels, or merged); -> (the
+    layout or None, the step losses)."""
     mesh = sharding.make_mesh("1x8")
     rules = sharding.rules_for(jaxlm.load("gemma_tiny", abstract=True)[0].config)
     model, params = jaxlm.load("gemma_tiny", policy.compute, param_dtype=policy.frozen,
@@ -203,7 +204,21 @@ def test_bfloat16_lora_on_cpu_trains_through_the_layout_as_without_it():
     np.testing.assert_allclose(laid, plain, rtol=2e-3)
     assert laid[-1] < laid[0]  # it trains
     model, params = jaxlm.load("gemma_tiny")
-    assert trainer.train_layout_of(model, params, lora=True, platform="cpu") is None
     narrow = type(model)(model.config.replace(dtype="bfloat16"))
     assert trainer.train_layout_of(narrow, params, lora=False, platform="cpu") is None
     assert trainer.train_layout_of(narrow, params, lora=True, platform="tpu") is None
+
+
+def test_float32_lora_on_cpu_keeps_the_adapters_unmerged_as_merged():
+    """A float32 Gemma LoRA step on CPU takes no layout but keeps the factors beside the
+    stored kernels (no gradient for a merged kernel); on the 1x8 mesh it loses as the merged
+    step does, to float32's summation order."""
+    policy = precision.resolve(platform="cpu")
+    model, params = jaxlm.load("gemma_tiny")
+    assert trainer.train_layout_of(model, params, lora=True, platform="cpu")(params) is None
+    assert trainer.train_layout_of(model, params, lora=True, platform="gpu") is None
+    _, beside = _lora_losses(policy, laid=True)
+    _, merged = _lora_losses(policy, laid=False)
+    print(f"gemma_tiny float32 LoRA losses: unmerged {beside}, merged {merged}")
+    np.testing.assert_allclose(beside, merged, rtol=1e-5)
+    assert beside[-1] < beside[0]

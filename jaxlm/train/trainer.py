@@ -74,17 +74,22 @@ def training_model(model, *, lora: bool, platform: str, remat: bool = False,
 
 
 def train_layout_of(model, params, *, lora: bool, platform: str) -> Callable | None:
-    """`build`'s train_layout for a LoRA step of `model` (as `training_model` returns it) over
-    the base `params` on `platform`, or None where it does not pay (`models.train_layout.pays`:
-    CPU, a narrow compute dtype, a base whose copies fit; the Gemma 3 270M's bfloat16 LoRA
-    step 1.8x faster on a 2-core AMX-BF16 host, bench/README.md)."""
-    if not lora or getattr(model.config, "family", None) != "gemma":
+    """How a LoRA step of `model` (as `training_model` returns it) on `platform` takes its base
+    `params`. None: the step merges the adapters into it (TPU, GPU, RoBERTa, a narrow base
+    too large for the layout). Otherwise, on CPU, a Gemma step keeps them unmerged beside its
+    products, and this returns base -> its train layout, `build`'s, where that pays
+    (`models.train_layout.pays`: a narrow compute dtype, a base whose copies fit; the Gemma 3
+    270M's bfloat16 LoRA step 1.8x faster on a 2-core AMX-BF16 host, bench/README.md), or in
+    float32 base -> None: the stored kernels as they are with the factors beside, so the step
+    computes no gradient for a targeted kernel (the 270M's float32 step at 8 x 128 tokens
+    3-4% faster, bench/README.md)."""
+    if not lora or getattr(model.config, "family", None) != "gemma" or platform != "cpu":
         return None
     dtype = model.config.dtype
     nbytes = sum(x.size for x in jax.tree.leaves(params)) * jnp.dtype(dtype).itemsize
-    if not layout_lib.pays(platform, dtype, nbytes):
-        return None
-    return functools.partial(layout_lib.build, model)
+    if layout_lib.pays(platform, dtype, nbytes):
+        return functools.partial(layout_lib.build, model)
+    return (lambda base: None) if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def activation_rules(model, layout: str | None, platform: str) -> dict:
@@ -158,9 +163,9 @@ def build(params, mesh, *, param_specs, loss_fn: Callable,
     -> (loss_sum, metric sums incl. "count"), e.g. `jaxlm.train.loss.lm_loss_fn(model)`.
     trainable_dtype: the adapters' dtype (the precision policy's master dtype).
     activations: the layout table's activation rules for this step (`activation_rules`).
-    train_layout: under LoRA, base -> the base's CPU train layout
-      (`models.train_layout.build` bound to the model; see `train_layout_of`): the step
-      multiplies the frozen weights through it, and `Trainer.step_frozen` builds it.
+    train_layout: under LoRA, base -> the base's CPU train layout or None
+      (`train_layout_of`): the step keeps the adapters unmerged beside its products, through
+      the layout if there is one, and `Trainer.step_frozen` builds it.
     """
     abstract = _is_abstract(params)
     if lora is not None:
