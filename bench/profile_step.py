@@ -44,7 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jaxlm  # noqa: E402
 from bench.common import host_line, matmul_peak, model_flops_per_token, peak_after, versions_line  # noqa: E402
-from bench.real_model import as_trained, random_batch  # noqa: E402
+from bench.real_frameworks import as_trained, random_batch  # noqa: E402
 from bench.train_step import jaxlm_step  # noqa: E402
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
