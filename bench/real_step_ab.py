@@ -1,6 +1,7 @@
 """What the real Gemma 3 270M LoRA step costs: interleaved A/Bs in one process, one CPU device.
 
-    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,tables,activations,layout,scored,train_layout,attention,hidden,online]
+    python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,tables,activations,layout,
+                                         scored,train_layout,unmerged,attention,hidden,online]
                                  [--batch=8] [--dtype=float32]
                                  [--seq=40] [--rounds=3] [--decode_batches=4,8,16,40]
                                  [--new_tokens=48] [--tiny]
@@ -22,6 +23,9 @@
           (`jaxlm.train.trainer.activation_rules`: not with the layer scan on CPU)
   train_layout  the LoRA step in bfloat16 (`jaxlm.load(GGUF, "bfloat16")`, unrolled layers as
           train.py) on one device with the CPU train layout (`models.train_layout`) vs without
+  unmerged  the LoRA step in float32 (unrolled layers as train.py) on one device with the
+          adapters unmerged beside the stored kernels, as train.py runs it
+          (`jaxlm.train.trainer.train_layout_of`), vs merged into them
   attention  the same bfloat16 LoRA step, with the train layout, with the CPU attention kernel
           (`models.kernels.causal_attention`: every product in the fast form, blocks of
           CPU_QUERY_BLOCK rows) vs the plain attention (`layers.softmax_attention`, blocks of
@@ -338,9 +342,10 @@ def main(argv=None) -> int:
             for name, on in (("table", True), ("partitioner", False)):
                 run, info[name] = lora_step(model, params, mesh, args.batch, args.seq, activations=on)
                 runs[name] = stepper(run)
-        elif what == "train_layout":
-            model, params, laid = laid_out(source, "bfloat16")
-            for name, tl in (("laid", laid), ("plain", None)):
+        elif what in ("train_layout", "unmerged"):
+            model, params, laid = laid_out(source, "bfloat16" if what == "train_layout" else "float32")
+            for name, tl in zip(("laid", "plain") if what == "train_layout" else ("unmerged", "merged"),
+                                (laid, None)):
                 run, info[name] = lora_step(model, params, one, args.batch, args.seq, train_layout=tl)
                 runs[name] = stepper(run)
         elif what == "attention":
