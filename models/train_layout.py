@@ -182,7 +182,7 @@ def holds(module) -> bool:
 
 def intercepts(module) -> bool:
     """Whether a call of `module` (bound) must go through its `__call__`, where `products`
-    multiplies: it holds a layout, or LoRA factors (which without one are refused there)."""
+    multiplies: it holds a layout, or LoRA factors (added beside its product there)."""
     return holds(module) or module.has_variable(LORA, "lora_a")
 
 
