@@ -78,6 +78,7 @@ import numpy as np  # noqa: E402
 import jaxlm  # noqa: E402
 import sharding  # noqa: E402
 from bench.common import host_line  # noqa: E402
+from bench.real_frameworks import as_trained  # noqa: E402
 from jaxlm.train import aot, optim, trainer  # noqa: E402
 from jaxlm.tree import flatten, unflatten  # noqa: E402
 from jaxlm.train import loss as L  # noqa: E402
@@ -171,10 +172,8 @@ def plain_attention():
 
 
 def laid_out(source, dtype):
-    """-> (model, params, train layout or None) for a LoRA step on CPU, as train.py builds it."""
-    model, params = load(source, dtype=dtype)
-    model = trainer.training_model(model, lora=True, platform="cpu")
-    return model, params, trainer.train_layout_of(model, params, lora=True, platform="cpu")
+    """-> (model, params, train_layout) for a LoRA step on CPU, as train.py builds it."""
+    return as_trained(load(source, dtype=dtype), lora_rank=4)
 
 
 def scoped_runs(variants: dict, info: dict, *step_args, **step_kw) -> dict:
