@@ -74,7 +74,7 @@ def cpu_step_memory(preset: str, policy: precision.Policy, *, lora_rank: int, sc
                                  trainable_dtype=policy.param, chunk_logits=CHUNK_LOGITS["cpu"])
     batch = trainer.abstract_batch(batch_size, sequence_length, built.batch_sharding)
     t0 = time.perf_counter()
-    mem = built.step.lower(built.state, built.frozen, batch).compile().memory_analysis()
+    mem = built.step.lower(built.state, built.step_frozen(built.frozen), batch).compile().memory_analysis()
     args = mem.argument_size_in_bytes
     total = args + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     return {"temp": mem.temp_size_in_bytes, "args": args, "total": total,

@@ -212,9 +212,13 @@ def test_bfloat16_lora_on_cpu_trains_through_the_layout_as_without_it():
 def test_float32_lora_on_cpu_keeps_the_adapters_unmerged_as_merged():
     """A float32 Gemma LoRA step on CPU takes no layout but keeps the factors beside the
     stored kernels (no gradient for a merged kernel); on the 1x8 mesh it loses as the merged
-    step does, to float32's summation order."""
+    step does, to float32's summation order. A layer scan, whose blocks see only their params,
+    merges."""
     policy = precision.resolve(platform="cpu")
     model, params = jaxlm.load("gemma_tiny")
+    assert model.config.scan_layers
+    assert trainer.train_layout_of(model, params, lora=True, platform="cpu") is None
+    model = trainer.training_model(model, lora=True, platform="cpu")  # unrolled, as train.py
     assert trainer.train_layout_of(model, params, lora=True, platform="cpu")(params) is None
     assert trainer.train_layout_of(model, params, lora=True, platform="gpu") is None
     _, beside = _lora_losses(policy, laid=True)
@@ -222,3 +226,35 @@ def test_float32_lora_on_cpu_keeps_the_adapters_unmerged_as_merged():
     print(f"gemma_tiny float32 LoRA losses: unmerged {beside}, merged {merged}")
     np.testing.assert_allclose(beside, merged, rtol=1e-5)
     assert beside[-1] < beside[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cpu_step_compile_only_measures_is_the_one_train_py_runs(dtype):
+    """`aot.abstract_trainer` on a CPU mesh (`--compile_only=cpu`, bench/memory.py) builds a
+    LoRA step as train.py does: through the train layout in bfloat16 (its copies among the
+    compiled arguments), the adapters unmerged in float32, merged with a layer scan."""
+    from jaxlm.train import aot
+    from models import train_layout
+    model, params = jaxlm.load("gemma_tiny", dtype, abstract=True)
+    mesh = sharding.make_mesh("1x1", jax.devices()[:1])
+    scanned = aot.abstract_trainer(model, params, mesh, lora_rank=4)
+    assert scanned.step_frozen(scanned.frozen) is scanned.frozen
+    model = trainer.training_model(model, lora=True, platform="cpu")
+    built = aot.abstract_trainer(model, params, mesh, lora_rank=4)
+    base, laid = built.step_frozen(built.frozen)
+    assert base is built.frozen
+    if dtype == "float32":
+        assert laid is None
+    else:
+        want = jax.eval_shape(lambda p: train_layout.build(model, p), params)
+        assert jax.tree.map(lambda x: (x.shape, x.dtype), laid) == jax.tree.map(lambda x: (x.shape, x.dtype), want)
+    report, compiled = aot.compile_train_step(model, params, topology="cpu", mesh_spec="1x8",
+                                              lora_rank=4, batch_size=8, sequence_length=16)
+    held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(laid))  # the copies, whole
+    extra = compiled.memory_analysis().argument_size_in_bytes - (
+        report.weights + report.trainable + report.optimizer + report.batch)
+    print(f"{dtype}: arguments beyond the state and batch {extra} bytes a device; layout {held}")
+    if dtype == "bfloat16":  # at least a device's share of the copies
+        assert extra >= held / 8 > 0
+    else:
+        assert 0 <= extra < 1024

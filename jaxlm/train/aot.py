@@ -96,18 +96,21 @@ def abstract_trainer(model, params, mesh, *, lora_rank: int, layout=None, accum_
 
     params: abstract parameter tree (`jaxlm.load(..., abstract=True)`), in the dtype the run
     stores them (the frozen dtype under LoRA). The same rules, adapter specs, optimizer-state
-    placement and batch sharding as a real run, because it is the same builder.
+    placement, batch sharding and (a LoRA step on CPU) train layout as a real run, because it is
+    the same builder: lower its step with `built.step_frozen(built.frozen)`.
     """
     rules = sharding.rules_for(model.config, layout)
     param_specs = sharding.partition_specs(params, rules, mesh)
     params = _abstract(params, param_specs, mesh)
     spec = trainer.LoraSpec(lora_rank, lora_alpha, lora_targets) if lora_rank else None
+    platform = mesh.devices.flat[0].platform
     return trainer.build(params, mesh, param_specs=param_specs,
                          loss_fn=lm_loss_fn(model, chunk_logits=chunk_logits),
                          optimizer=optimizer or optim.make_optimizer(), lora=spec,
                          trainable_dtype=trainable_dtype, accum_steps=accum_steps,
-                         activations=trainer.activation_rules(
-                             model, layout, mesh.devices.flat[0].platform))
+                         activations=trainer.activation_rules(model, layout, platform),
+                         train_layout=trainer.train_layout_of(model, params, lora=bool(lora_rank),
+                                                              platform=platform))
 
 
 @dataclasses.dataclass
@@ -194,7 +197,7 @@ def compile_train_step(model, params, *, topology: str, mesh_spec="auto", lora_r
     batch = trainer.abstract_batch(batch_size, sequence_length, built.batch_sharding, accum_steps,
                                    packing)
     t0 = time.perf_counter()
-    lowered = built.step.lower(state, frozen, batch)
+    lowered = built.step.lower(state, built.step_frozen(frozen), batch)
     weights = _bytes_per_device(frozen if lora_rank else state["trainable"])
     report = Report(topology=topology, device_kind=devices[0].device_kind,
                     mesh=(mesh.shape["batch"], mesh.shape["model"]), weights=weights,

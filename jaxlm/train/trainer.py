@@ -82,8 +82,9 @@ def train_layout_of(model, params, *, lora: bool, platform: str) -> Callable | N
     270M's bfloat16 LoRA step 1.8x faster on a 2-core AMX-BF16 host, bench/README.md), or in
     float32 base -> None: the stored kernels as they are with the factors beside, so the step
     computes no gradient for a targeted kernel (the 270M's float32 step at 8 x 128 tokens
-    3-4% faster, bench/README.md)."""
-    if not lora or getattr(model.config, "family", None) != "gemma" or platform != "cpu":
+    3-4% faster, bench/README.md). A layer scan merges: its blocks see only their params."""
+    if (not lora or getattr(model.config, "family", None) != "gemma" or platform != "cpu"
+            or getattr(model.config, "scan_layers", False)):
         return None
     dtype = model.config.dtype
     nbytes = sum(x.size for x in jax.tree.leaves(params)) * jnp.dtype(dtype).itemsize
@@ -181,7 +182,12 @@ def build(params, mesh, *, param_specs, loss_fn: Callable,
                            frozen_shardings=None if frozen is None else shardings_of(frozen),
                            batch_shardings=batch_shd, mesh=mesh, activations=activations,
                            layout=train_layout is not None)
-    laid = {} if train_layout is None else {"step_frozen": lambda base: (base, train_layout(base))}
+    if train_layout is None:
+        laid = {}
+    elif abstract:  # the layout's shapes, for lowering (`jaxlm.train.aot`)
+        laid = {"step_frozen": lambda base: (base, jax.eval_shape(train_layout, base))}
+    else:
+        laid = {"step_frozen": lambda base: (base, train_layout(base))}
     return Trainer(state=state, frozen=frozen, step=step, batch_sharding=batch_shd, **laid)
 
 
