@@ -349,7 +349,7 @@ def lm_loss_fn(model, *, chunk_size: int | None = None, chunk_logits: int | None
                                  "(scan_layers=False)")
             if layout is not None:
                 variables[train_layout.COLLECTION] = layout
-                columns = layout.get("token_embedding", {}).get("columns")
+                columns = layout["token_embedding"]["columns"]
             if adapters is not None:
                 variables[train_layout.LORA] = dict(adapters)
             products = train_layout.products(1.0 if adapters is None else adapters.scale)
