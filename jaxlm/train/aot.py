@@ -89,6 +89,20 @@ def _bytes_per_device(tree) -> int:
     return total
 
 
+def _compiled_bytes(tree, shardings) -> tuple[int, int]:
+    """-> (bytes one device holds of `tree` as the compiled step places it, bytes of its leaves
+    the step does not read): jit drops an unused argument (sharding None), as the step drops
+    the base's kernels the train layout has copies of, though the run still holds them."""
+    specs = jax.tree.leaves(shardings, is_leaf=lambda s: s is None or hasattr(s, "shard_shape"))
+    placed = unused = 0
+    for x, s in zip(jax.tree.leaves(tree), specs, strict=True):
+        if s is None:
+            unused += _bytes_per_device([x])
+        else:
+            placed += math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+    return placed, unused
+
+
 def abstract_trainer(model, params, mesh, *, lora_rank: int, layout=None, accum_steps: int = 1,
                      optimizer=None, lora_alpha=None, lora_targets=None,
                      trainable_dtype: str = "float32", chunk_logits: int | None = None):
@@ -121,10 +135,12 @@ class Report:
     mesh: tuple
     weights: int          # frozen base parameters (LoRA) or the trained parameters (full)
     trainable: int        # adapters (LoRA); 0 at full fine-tuning (counted in weights)
+    layout: int           # the CPU train layout's copies of the frozen base (0 without one)
     optimizer: int        # optimizer state
     batch: int
     temporaries: int      # compiler's temp buffers (activations, gradients, workspace)
-    total: int            # arguments + outputs not aliased to them + temporaries + code
+    total: int            # arguments (those the step drops but the run holds too) + outputs
+                          # not aliased to them + temporaries + code
     hbm: float | None     # usable HBM per device; None when unknown (cpu)
     flops: float | None   # per device, from cost_analysis() (the layer scan's body counts once)
     collectives: dict     # op name -> count in the partitioned program
@@ -135,6 +151,8 @@ class Report:
     def table(self) -> str:
         g = lambda b: f"{b / GiB:8.3f} GiB" if b >= GiB / 10 else f"{b / 2 ** 20:8.2f} MiB"  # noqa: E731
         rows = [("weights (base, frozen)" if self.trainable else "weights", self.weights)]
+        if self.layout:
+            rows.append(("train layout (copies)", self.layout))
         if self.trainable:
             rows.append(("LoRA adapters", self.trainable))
         rows += [("optimizer state", self.optimizer), ("batch", self.batch),
@@ -197,11 +215,12 @@ def compile_train_step(model, params, *, topology: str, mesh_spec="auto", lora_r
     batch = trainer.abstract_batch(batch_size, sequence_length, built.batch_sharding, accum_steps,
                                    packing)
     t0 = time.perf_counter()
-    lowered = built.step.lower(state, built.step_frozen(frozen), batch)
+    frozen_in = built.step_frozen(frozen)
+    lowered = built.step.lower(state, frozen_in, batch)
     weights = _bytes_per_device(frozen if lora_rank else state["trainable"])
     report = Report(topology=topology, device_kind=devices[0].device_kind,
                     mesh=(mesh.shape["batch"], mesh.shape["model"]), weights=weights,
-                    trainable=_bytes_per_device(state["trainable"]) if lora_rank else 0,
+                    trainable=_bytes_per_device(state["trainable"]) if lora_rank else 0, layout=0,
                     optimizer=_bytes_per_device(state["opt_state"]),
                     batch=_bytes_per_device(batch), temporaries=0, total=0,
                     hbm=hbm_bytes(topology), flops=None, collectives={}, compile_s=0.0,
@@ -221,12 +240,19 @@ def compile_train_step(model, params, *, topology: str, mesh_spec="auto", lora_r
                             + report.temporaries)
         return report, None
     report.compile_s = time.perf_counter() - t0
+    (state_shd, frozen_shd, _), _ = compiled.input_shardings
+    base, laid = (frozen, None) if frozen_in is frozen else frozen_in
+    base_shd = frozen_shd if frozen_in is frozen else frozen_shd[0]
+    unused = _compiled_bytes(state, state_shd)[1]
+    unused += _compiled_bytes(base, base_shd)[1] if base is not None else 0
+    if laid is not None:
+        report.layout = _compiled_bytes(laid, frozen_shd[1])[0]
     mem = compiled.memory_analysis()
     if mem is not None:
         report.temporaries = int(mem.temp_size_in_bytes)
         report.total = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
                            - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-                           + mem.generated_code_size_in_bytes)
+                           + mem.generated_code_size_in_bytes + unused)
     cost = compiled.cost_analysis()
     if isinstance(cost, list):  # older jax: one dict per program
         cost = cost[0] if cost else {}
