@@ -113,11 +113,14 @@ def decode_throughput(preset, dtype, *, batch_size, prompt_len, short, long, rep
     # Interleaved, and the fastest of each: on a busy host (CI runs tests in parallel) a median
     # of a few calls of a tiny model let the noise swamp the step's share of the difference.
     times = {short: [], long: []}
-    for _ in range(repeats):
-        for n in times:
-            times[n] += timed(run(n), 1)
-    t_short, t_long = min(times[short]), min(times[long])
-    # A negative slope means noise swamped the step even so: report nan.
+    for _ in range(3):  # a slope noise swamped (the longer call no slower): more calls, twice
+        for _ in range(repeats):
+            for n in times:
+                times[n] += timed(run(n), 1)
+        t_short, t_long = min(times[short]), min(times[long])
+        if t_long > t_short:
+            break
+    # Still no slope after that: report nan rather than a made-up rate.
     per_step = (t_long - t_short) / (long - short) if t_long > t_short else float("nan")
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     total = decode.bucket(long, decode.MIN_TOTAL_BUCKET)
