@@ -94,13 +94,9 @@ def _compiled_bytes(tree, shardings) -> tuple[int, int]:
     the step does not read): jit drops an unused argument (sharding None), as the step drops
     the base's kernels the train layout has copies of, though the run still holds them."""
     specs = jax.tree.leaves(shardings, is_leaf=lambda s: s is None or hasattr(s, "shard_shape"))
-    placed = unused = 0
-    for x, s in zip(jax.tree.leaves(tree), specs, strict=True):
-        if s is None:
-            unused += _bytes_per_device([x])
-        else:
-            placed += math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
-    return placed, unused
+    leaves = list(zip(jax.tree.leaves(tree), specs, strict=True))
+    placed = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in leaves if s is not None]
+    return _bytes_per_device(placed), _bytes_per_device([x for x, s in leaves if s is None])
 
 
 def abstract_trainer(model, params, mesh, *, lora_rank: int, layout=None, accum_steps: int = 1,
@@ -241,12 +237,13 @@ def compile_train_step(model, params, *, topology: str, mesh_spec="auto", lora_r
         return report, None
     report.compile_s = time.perf_counter() - t0
     (state_shd, frozen_shd, _), _ = compiled.input_shardings
-    base, laid = (frozen, None) if frozen_in is frozen else frozen_in
-    base_shd = frozen_shd if frozen_in is frozen else frozen_shd[0]
     unused = _compiled_bytes(state, state_shd)[1]
-    unused += _compiled_bytes(base, base_shd)[1] if base is not None else 0
-    if laid is not None:
-        report.layout = _compiled_bytes(laid, frozen_shd[1])[0]
+    if frozen_in is not frozen:  # (base, its train layout or None)
+        unused += _compiled_bytes(frozen, frozen_shd[0])[1]
+        if frozen_in[1] is not None:
+            report.layout = _compiled_bytes(frozen_in[1], frozen_shd[1])[0]
+    elif frozen is not None:
+        unused += _compiled_bytes(frozen, frozen_shd)[1]
     mem = compiled.memory_analysis()
     if mem is not None:
         report.temporaries = int(mem.temp_size_in_bytes)
