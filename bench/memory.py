@@ -15,10 +15,11 @@ the compiler; the table then shows the temporaries it asked for. Without libtpu 
 8 simulated CPU devices instead and says so (those numbers say nothing about a TPU).
 Defaults: batch 8 x 512 tokens, mesh 1x8, LoRA only, remat off and on.
 
-CPU (`--platform=cpu`): the same step for ONE CPU device with the CPU loss chunking, read back
-from XLA:CPU's `memory_analysis()`: what a laptop run of that step allocates beyond its
-arguments. Defaults: Gemma 2B, LoRA and full fine-tuning, the layer scan and unrolled layers,
-batch 2 x 128 tokens, remat off.
+CPU (`--platform=cpu`): the step `train.py --compile_only=cpu --mesh=1x1` compiles, for ONE CPU
+device (its loss blocks and, under LoRA, its train layout), read back from XLA:CPU's
+`memory_analysis()`, with the same table. `args_gib` is what the step holds besides its
+temporaries (weights, adapters, the layout's copies, optimizer state, batch). Defaults: Gemma 2B,
+LoRA and full fine-tuning, the layer scan and unrolled layers, batch 2 x 128 tokens, remat off.
 
 Precision is the platform's policy (`jaxlm.precision`: on a TPU float32 master weights and
 moments over bfloat16 compute, the frozen LoRA base in bfloat16; on CPU float32 throughout);
@@ -33,8 +34,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -44,17 +45,25 @@ try:
     LIBTPU = True
 except ImportError:
     LIBTPU = False
-    # The TPU fallback needs as many host devices as the mesh; set before jax starts.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
 
-import jax  # noqa: E402
+
+def _host_devices(argv: list[str]) -> int | None:
+    """Host devices this run needs, set before jax starts: one for --platform=cpu (the loss's
+    CPU block is split between the host's devices, so 8 simulated ones would compile a smaller
+    block than `train.py --mesh=1x1` runs), 8 for the TPU fallback without libtpu."""
+    cpu = "--platform=cpu" in argv or any(a == "--platform" and b == "cpu"
+                                          for a, b in zip(argv, argv[1:]))
+    return 1 if cpu else None if LIBTPU else 8
+
+
+if (_count := _host_devices(sys.argv[1:])) is not None:
+    _flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count={_count}".strip()
+
 
 import jaxlm  # noqa: E402
-import sharding  # noqa: E402
 from jaxlm import precision  # noqa: E402
-from jaxlm.train import aot, trainer  # noqa: E402
-from jaxlm.train.loss import CHUNK_LOGITS  # noqa: E402
+from jaxlm.train import aot  # noqa: E402
 
 
 def load(preset: str, policy: precision.Policy, lora: bool, scan: bool, remat: bool = False):
@@ -66,19 +75,15 @@ def load(preset: str, policy: precision.Policy, lora: bool, scan: bool, remat: b
 
 
 def cpu_step_memory(preset: str, policy: precision.Policy, *, lora_rank: int, scan: bool,
-                    batch_size: int, sequence_length: int) -> dict:
-    """Bytes of the compiled step on one CPU device: {"temp", "args", "total", "compile_s"}."""
+                    batch_size: int, sequence_length: int) -> aot.Report:
+    """The step `train.py --compile_only=cpu --mesh=1x1` compiles (its loss blocks, train layout
+    and report), with the layer form `scan` asks for."""
     model, params = load(preset, policy, bool(lora_rank), scan)
-    mesh = sharding.make_mesh("1x1", jax.devices("cpu")[:1])
-    built = aot.abstract_trainer(model, params, mesh, lora_rank=lora_rank,
-                                 trainable_dtype=policy.param, chunk_logits=CHUNK_LOGITS["cpu"])
-    batch = trainer.abstract_batch(batch_size, sequence_length, built.batch_sharding)
-    t0 = time.perf_counter()
-    mem = built.step.lower(built.state, built.step_frozen(built.frozen), batch).compile().memory_analysis()
-    args = mem.argument_size_in_bytes
-    total = args + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-    return {"temp": mem.temp_size_in_bytes, "args": args, "total": total,
-            "compile_s": time.perf_counter() - t0}
+    report, _ = aot.compile_train_step(model, params, topology="cpu", mesh_spec="1x1",
+                                       lora_rank=lora_rank, batch_size=batch_size,
+                                       sequence_length=sequence_length,
+                                       trainable_dtype=policy.param)
+    return report
 
 
 def run_cpu(args, modes, layer_forms) -> list[str]:
@@ -89,16 +94,17 @@ def run_cpu(args, modes, layer_forms) -> list[str]:
             temps = {}
             for mode in modes:
                 rank = args.lora_rank if mode == "lora" else 0
-                m = cpu_step_memory(preset, policy, lora_rank=rank, scan=scan,
+                r = cpu_step_memory(preset, policy, lora_rank=rank, scan=scan,
                                     batch_size=args.batch_size, sequence_length=args.sequence_length)
-                temps[mode] = m["temp"]
+                held = r.weights + r.trainable + r.layout + r.optimizer + r.batch
+                temps[mode] = r.temporaries
                 form = "scan" if scan else "unrolled"
-                print(f"{preset} {mode:<4} ({policy.describe(mode == 'lora')}), {form} layers, "
-                      f"batch {args.batch_size} x {args.sequence_length}, one CPU device: "
-                      f"temporaries {m['temp'] / aot.GiB:.2f} GiB, arguments {m['args'] / aot.GiB:.2f} "
-                      f"GiB, total {m['total'] / aot.GiB:.2f} GiB (compiled in {m['compile_s']:.0f} s)")
-                lines.append(f"BENCH memory_cpu_{preset}_{mode}_{form} temp_gib={m['temp'] / aot.GiB:.6g} "
-                             f"args_gib={m['args'] / aot.GiB:.3f} total_gib={m['total'] / aot.GiB:.3f} "
+                print(f"{preset} {mode} ({policy.describe(mode == 'lora')}), {form} layers, "
+                      f"batch {args.batch_size} x {args.sequence_length}, one CPU device:")
+                print(r.table())
+                lines.append(f"BENCH memory_cpu_{preset}_{mode}_{form} "
+                             f"temp_gib={r.temporaries / aot.GiB:.6g} args_gib={held / aot.GiB:.3f} "
+                             f"total_gib={r.total / aot.GiB:.3f} "
                              f"dtype={policy.compute} batch={args.batch_size}x{args.sequence_length}")
             if len(temps) == 2:
                 ratio = temps["lora"] / max(temps["full"], 1)

@@ -135,12 +135,23 @@ def test_memory_bench_compiles_a_tiny_config_for_tpu():
 
 
 def test_memory_bench_compares_lora_with_full_on_one_cpu_device():
-    _, lines = run_bench("memory.py", "--platform=cpu", "--presets=gemma_tiny", "--layers=unrolled",
-                         "--sequence_length=32")
+    stdout, lines = run_bench("memory.py", "--platform=cpu", "--presets=gemma_tiny",
+                              "--layers=unrolled", "--sequence_length=32")
     lora, full = (lines[f"memory_cpu_gemma_tiny_{m}_unrolled"] for m in ("lora", "full"))
     ratio = positive(lines["memory_cpu_gemma_tiny_unrolled"]["lora_over_full"])
     assert ratio == pytest.approx(positive(lora["temp_gib"]) / positive(full["temp_gib"]), abs=0.01)
     assert float(lora["args_gib"]) < float(full["args_gib"])  # no optimizer state for the base
+    # The step train.py runs: its own compile-only table, row for row (the bench once compiled
+    # smaller loss blocks than train.py and left the code size out of its total).
+    r = subprocess.run([sys.executable, "train.py", "--compile_only=cpu", "--mesh=1x1",
+                        "--preset=gemma_tiny", "--lora_rank=4", "--batch_size=2",
+                        "--sequence_length=32"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "XLA_FLAGS": ""})  # train.py sizes the host to the mesh
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines()
+            if line.startswith("  ") and ("GiB" in line or "MiB" in line)]
+    assert any("temporaries" in row for row in rows) and any("total" in row for row in rows)
+    assert "\n".join(rows) in stdout
 
 
 def test_real_model_bench_runs_all_three_frameworks_on_a_tiny_gemma3():
