@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # One CPU device, as above, even where XLA_FLAGS simulates several (the test suite does): the
 # step is compiled for a 1x1 mesh, which must span every device.
-# (XLA reads flags that are only spaces as a file name and aborts, so strip what is left.)
-os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                                 os.environ.get("XLA_FLAGS", "")).strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxlm.machine import with_host_devices  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_host_devices(os.environ.get("XLA_FLAGS", ""), None)
 
 import jax  # noqa: E402
 

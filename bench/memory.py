@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxlm.machine import with_host_devices  # noqa: E402
+
 try:
     import libtpu  # noqa: F401
     LIBTPU = True
@@ -57,8 +58,7 @@ def _host_devices(argv: list[str]) -> int | None:
 
 
 if (_count := _host_devices(sys.argv[1:])) is not None:
-    _flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-    os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count={_count}".strip()
+    os.environ["XLA_FLAGS"] = with_host_devices(os.environ.get("XLA_FLAGS", ""), _count)
 
 
 import jaxlm  # noqa: E402

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -28,7 +27,7 @@ import sys
 import threading
 import time
 
-from jaxlm import hugepages
+from jaxlm import hugepages, machine
 from jaxlm.errors import ArgumentParser, UserError, cli
 
 GRACE_S = 5.0  # SIGTERM, then SIGKILL, for the others when one process failed
@@ -83,9 +82,7 @@ def child_env(a, process_id: int, address: str, base=None) -> dict:
                JAXLM_PROCESS_ID=str(process_id),
                JAXLM_INITIALIZATION_TIMEOUT=str(a.initialization_timeout), PYTHONUNBUFFERED="1")
     if a.devices_per_process:
-        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-        env["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count="
-                            f"{a.devices_per_process}").strip()
+        env["XLA_FLAGS"] = machine.with_host_devices(env.get("XLA_FLAGS", ""), a.devices_per_process)
         env["JAX_PLATFORMS"] = "cpu"
     return env
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import sys
 
 from jaxlm.errors import UserError
@@ -85,6 +86,14 @@ def memory_bytes() -> int:
 
 def max_simulated_devices() -> int:
     return max(MIN_SIMULATED, min(DEVICES_PER_CORE * cores(), memory_bytes() // BYTES_PER_DEVICE))
+
+
+def with_host_devices(flags: str, n: int | None) -> str:
+    """XLA_FLAGS text `flags` with its simulated CPU device count set to `n` (None: the flag
+    removed, so XLA's one host device). Stripped: XLA reads flags that are only spaces as a file
+    name and aborts."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", flags)
+    return (flags if n is None else f"{flags} --xla_force_host_platform_device_count={n}").strip()
 
 
 def check_simulated_devices(n: int, flag: str) -> None:

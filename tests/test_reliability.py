@@ -167,6 +167,11 @@ def test_machine_rules():
     environ = {"JAX_PLATFORMS": "cuda"}
     machine.quiet_without_tpu(environ)
     assert environ["JAX_PLATFORMS"] == "cuda"  # the user's choice stays
+    # the device count is replaced, the other flags kept; None leaves XLA's one device
+    flags = "--xla_foo=1 --xla_force_host_platform_device_count=8"
+    assert machine.with_host_devices(flags, 2) == "--xla_foo=1  --xla_force_host_platform_device_count=2"
+    assert machine.with_host_devices(flags, None) == "--xla_foo=1"
+    assert machine.with_host_devices("--xla_force_host_platform_device_count=8", None) == ""
 
 
 def _csv(tmp_path, name, text):
