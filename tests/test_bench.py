@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from jaxlm import machine
 from models import cpu_forms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,7 +147,8 @@ def test_memory_bench_compares_lora_with_full_on_one_cpu_device():
     r = subprocess.run([sys.executable, "train.py", "--compile_only=cpu", "--mesh=1x1",
                         "--preset=gemma_tiny", "--lora_rank=4", "--batch_size=2",
                         "--sequence_length=32"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "XLA_FLAGS": ""})  # train.py sizes the host to the mesh
+                       env={**os.environ, "XLA_FLAGS": machine.with_host_devices(
+                           os.environ.get("XLA_FLAGS", ""), None)})  # train.py sizes the host to the mesh
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [line for line in r.stdout.splitlines()
             if line.startswith("  ") and ("GiB" in line or "MiB" in line)]
