@@ -198,8 +198,8 @@ def main(argv=None) -> int:
         print(f"trace kept in {trace_dir} (open the .trace.json.gz in ui.perfetto.dev; the "
               f"compiled program, whose instruction names the trace's ops carry: step.hlo.txt)")
     name = f"profile_{args.mode}{'' if args.dtype == 'float32' else '_bf16'}_t{args.seq}"
-    print(f"BENCH {name} step_ms={seconds * 1e3:.1f} products_ms={ms['products']:.1f} other_ms={ms['other']:.1f} "
-          f"idle_ms={ms['idle']:.1f} mfu={mfu:.4g} mfu_products_only={ceiling:.4g} unit=ms")
+    print(f"BENCH {name} step_ms={seconds * 1e3:.3f} products_ms={ms['products']:.3f} "
+          f"other_ms={ms['other']:.3f} idle_ms={ms['idle']:.3f} mfu={mfu:.4g} mfu_products_only={ceiling:.4g} unit=ms")
     return 0
 
 
