@@ -181,7 +181,6 @@ def test_step_count_and_defaults():
 
 def test_default_preset_is_the_demo_model_when_installed(monkeypatch, capsys, tmp_path):
     import sys
-    import types
     from jaxlm.train import cli, lm
     monkeypatch.delenv("JAXLM_DEFAULT_PRESET")
     monkeypatch.setitem(sys.modules, cli.DEMO_PACKAGE, None)  # not installed
