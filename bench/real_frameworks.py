@@ -143,7 +143,7 @@ def as_trained(model, lora_rank: int, layers: str = "train"):
     m, params = model
     narrow = m.config.dtype != "float32"
     if layers == "train":
-        m = trainer.training_model(m, lora=bool(lora_rank), platform="cpu")
+        m = trainer.training_model(m, platform="cpu")
     elif layers == "unrolled" or narrow:
         m = type(m)(m.config.replace(scan_layers=False))
     if not lora_rank:  # the step donates what it trains; keep the loaded weights

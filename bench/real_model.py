@@ -46,9 +46,8 @@ Ends with
 and with `--dtype=bfloat16` (every framework's weights and compute in bfloat16, LoRA factors
 float32; the LoRA step through the CPU train layout) the same lines as `BENCH real_bf16_...`,
 MFU over the bfloat16 peak. jaxlm's layers are as train.py builds the step
-(`jaxlm.train.trainer.training_model`, `--layers=train`): on CPU unrolled for LoRA and for
-any bfloat16 step, the layer scan for a float32 full fine-tune; `--layers=scan|unrolled`
-forces one form.
+(`jaxlm.train.trainer.training_model`, `--layers=train`): on CPU unrolled;
+`--layers=scan|unrolled` forces one form.
 """
 from __future__ import annotations
 

@@ -290,7 +290,7 @@ def main(argv=None) -> int:
             cfg = config(source)
             for spec, mesh in (("1x8", sharding.make_mesh("1x8", jax.devices()[:8])), ("1x1", one)):
                 model, params = load(source, sharding.placement(mesh, sharding.rules_for(cfg)))
-                model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
+                model = trainer.training_model(model, platform="cpu")  # as train.py
                 run, info[spec] = lora_step(model, params, mesh, args.batch, args.seq)
                 runs[spec] = stepper(run)
         elif what in ("budget", "layers"):
@@ -331,13 +331,13 @@ def main(argv=None) -> int:
             mesh, cfg = sharding.make_mesh("1x8", jax.devices()[:8]), config(source)
             for layout in ("megatron", "seed", "keras"):
                 model, params = load(source, sharding.placement(mesh, sharding.rules_for(cfg, layout)))
-                model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
+                model = trainer.training_model(model, platform="cpu")  # as train.py
                 run, info[layout] = lora_step(model, params, mesh, args.batch, args.seq, layout=layout)
                 runs[layout] = stepper(run)
         elif what == "activations":
             mesh, cfg = sharding.make_mesh("1x8", jax.devices()[:8]), config(source)
             model, params = load(source, sharding.placement(mesh, sharding.rules_for(cfg)))
-            model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
+            model = trainer.training_model(model, platform="cpu")  # as train.py
             for name, on in (("table", True), ("partitioner", False)):
                 run, info[name] = lora_step(model, params, mesh, args.batch, args.seq, activations=on)
                 runs[name] = stepper(run)
@@ -364,11 +364,11 @@ def main(argv=None) -> int:
         elif what == "scored":
             mesh, cfg = sharding.make_mesh("1x8", jax.devices()[:8]), config(source)
             model, params = load(source, sharding.placement(mesh, sharding.rules_for(cfg)))
-            model = trainer.training_model(model, lora=True, platform="cpu")  # as train.py
+            model = trainer.training_model(model, platform="cpu")  # as train.py
             rows = demo_rows(source, args.batch, args.seq)
             print(f"scored: the demo batch weights {rows['loss_mask'][:, 1:].mean():.1%} of its targets")
             one_model, one_params = load(source)
-            one_model = trainer.training_model(one_model, lora=True, platform="cpu")
+            one_model = trainer.training_model(one_model, platform="cpu")
             for name, scope in (("scored", contextlib.nullcontext), ("every", every_chunk)):
                 with scope():
                     run, info[f"demo_{name}"] = lora_step(model, params, mesh, args.batch, args.seq, rows=rows)

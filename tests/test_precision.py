@@ -177,7 +177,7 @@ def _lora_losses(policy, laid: bool, steps=4):
     rules = sharding.rules_for(jaxlm.load("gemma_tiny", abstract=True)[0].config)
     model, params = jaxlm.load("gemma_tiny", policy.compute, param_dtype=policy.frozen,
                                placement=sharding.placement(mesh, rules, quiet=True))
-    model = trainer.training_model(model, lora=True, platform="cpu")
+    model = trainer.training_model(model, platform="cpu")
     tok = jaxlm.load_tokenizer("gemma_tiny")
     train, _ = data.builtin_dataset()
     ids, mask = data.pack(tok, data.format_examples(train, data.TEMPLATE), 40)
@@ -218,7 +218,7 @@ def test_float32_lora_on_cpu_keeps_the_adapters_unmerged_as_merged():
     model, params = jaxlm.load("gemma_tiny")
     assert model.config.scan_layers
     assert trainer.train_layout_of(model, params, lora=True, platform="cpu") is None
-    model = trainer.training_model(model, lora=True, platform="cpu")  # unrolled, as train.py
+    model = trainer.training_model(model, platform="cpu")  # unrolled, as train.py
     assert trainer.train_layout_of(model, params, lora=True, platform="cpu")(params) is None
     assert trainer.train_layout_of(model, params, lora=True, platform="gpu") is None
     _, beside = _lora_losses(policy, laid=True)
@@ -239,7 +239,7 @@ def test_the_cpu_step_compile_only_measures_is_the_one_train_py_runs(dtype):
     mesh = sharding.make_mesh("1x1", jax.devices()[:1])
     scanned = aot.abstract_trainer(model, params, mesh, lora_rank=4)
     assert scanned.step_frozen(scanned.frozen) is scanned.frozen
-    model = trainer.training_model(model, lora=True, platform="cpu")
+    model = trainer.training_model(model, platform="cpu")
     built = aot.abstract_trainer(model, params, mesh, lora_rank=4)
     base, laid = built.step_frozen(built.frozen)
     assert base is built.frozen

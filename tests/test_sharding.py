@@ -245,7 +245,7 @@ def test_seed_table_splits_attention_rows_with_the_same_step():
     cfg = jaxlm.load("gemma_tiny", abstract=True)[0].config
     rules = sharding.rules_for(cfg, "seed")
     model, params = jaxlm.load("gemma_tiny", placement=sharding.placement(mesh, rules, quiet=True))
-    model = trainer.training_model(model, lora=True, platform="cpu")  # unrolled, as train.py
+    model = trainer.training_model(model, platform="cpu")  # unrolled, as train.py
     tok = jaxlm.load_tokenizer("gemma_tiny")
     ids, mask = data.pack(tok, data.format_examples(data.builtin_dataset()[0], data.TEMPLATE), 24)
     batch = data.host_batch(ids, mask, 0, batch_size=8)
@@ -280,7 +280,7 @@ def test_megatron_table_splits_the_loss_block_and_trains_as_the_seed_table():
         cfg = jaxlm.load("gemma_tiny", abstract=True)[0].config
         rules = sharding.rules_for(cfg, layout)
         model, params = jaxlm.load("gemma_tiny", placement=sharding.placement(mesh, rules, quiet=True))
-        model = trainer.training_model(model, lora=True, platform="cpu")
+        model = trainer.training_model(model, platform="cpu")
         built = trainer.build(params, mesh, param_specs=sharding.partition_specs(params, rules, mesh),
                               loss_fn=L.lm_loss_fn(model), optimizer=optim.make_optimizer(),
                               lora=trainer.LoraSpec(4),

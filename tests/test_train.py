@@ -287,15 +287,16 @@ def test_export_writes_every_adapter_format(tmp_path, capsys):
     assert "peft.PeftModel.from_pretrained(model, " in out and "no adapters.lora.h5" not in out
 
 
-def test_lora_and_bfloat16_train_unrolled_layers_on_cpu_only():
-    """XLA:CPU's layer scan copies every frozen block weight each step and widens bfloat16
-    stacks whole; LoRA or bfloat16 on CPU trains the layers unrolled, elsewhere (and at a
-    float32 full fine-tune) the scan stays."""
+def test_training_unrolls_the_layers_on_cpu_only():
+    """XLA:CPU's layer scan copies every frozen block weight each step, widens bfloat16 stacks
+    whole and stacks a full fine-tune's weights and gradients each step: a CPU step trains the
+    layers unrolled; on TPU and GPU the scan stays (compile time flat in depth)."""
+    for dtype in ("float32", "bfloat16"):
+        model = Gemma(CFG.replace(dtype=dtype))
+        assert model.config.scan_layers
+        assert not T.training_model(model, platform="cpu").config.scan_layers
+        for platform in ("tpu", "gpu"):
+            assert T.training_model(model, platform=platform).config.scan_layers
     model = Gemma(CFG)
-    assert not T.training_model(model, lora=True, platform="cpu").config.scan_layers
-    assert T.training_model(model, lora=True, platform="tpu").config.scan_layers
-    assert T.training_model(model, lora=False, platform="cpu").config.scan_layers
-    narrow = Gemma(CFG.replace(dtype="bfloat16"))
-    assert not T.training_model(narrow, lora=False, platform="cpu").config.scan_layers
-    assert T.training_model(narrow, lora=False, platform="tpu").config.scan_layers
-    assert T.training_model(model, lora=True, platform="gpu", remat=True).config.remat
+    assert T.training_model(model, platform="gpu", remat=True).config.remat
+    assert not T.training_model(model, platform="cpu").config.remat

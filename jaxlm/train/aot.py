@@ -299,7 +299,7 @@ def run_compile_only(preset: str, topology: str, *, mesh_spec: str = "auto",
     model, params = jaxlm.load(preset, policy.compute, abstract=True, param_dtype=stored)
 
     def compile_with(with_remat: bool):
-        m = trainer.training_model(model, lora=lora is not None, remat=with_remat,
+        m = trainer.training_model(model, remat=with_remat,
                                    platform="cpu" if topology == "cpu" else "tpu")
         return compile_train_step(
             m, params, topology=topology, mesh_spec=mesh_spec, lora_rank=lora.rank if lora else 0,

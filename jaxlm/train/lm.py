@@ -220,9 +220,8 @@ def run(a: cli.Args) -> int:
                                placement=sharding.placement(mesh, rules), seed=a.seed)
     base_model = model
     try:
-        model = trainer_lib.training_model(model, lora=bool(a.lora_rank),
-                                           platform=jax.default_backend(), remat=a.remat,
-                                           attention=a.attention)
+        model = trainer_lib.training_model(model, platform=jax.default_backend(),
+                                           remat=a.remat, attention=a.attention)
     except ValueError as e:  # cudnn in float32, or Gemma 2's attention soft-cap
         raise UserError(f"--attention: {e}") from None
     param_specs = sharding.partition_specs(params, rules, mesh)

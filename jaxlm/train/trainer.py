@@ -51,24 +51,23 @@ class Trainer:
     step_frozen: Callable = lambda frozen: frozen
 
 
-def training_model(model, *, lora: bool, platform: str, remat: bool = False,
-                   attention: str = "xla"):
-    """The model the step trains: `model` with the run's remat and attention, and on CPU under
-    LoRA or a narrow compute dtype the layers unrolled. XLA:CPU's layer scan copies every
-    frozen block weight each step (Gemma 2B LoRA at 2 x 128 tokens: 10.6 GiB of temporaries
-    scanned, 1.7 GiB unrolled), and it widens a scanned bfloat16 weight stack to float32
-    whole, which the unrolled layers' slices avoid (Gemma 2B bfloat16 full fine-tune: 21.0
-    GiB scanned, 10.8 unrolled; `python bench/memory.py --platform=cpu --dtype=bfloat16`). A
-    float32 full fine-tune keeps the scan (19.7 vs 18.7 GiB; the same speed on the real 270M),
-    as TPU and GPU do: compile time flat in depth. Raises ValueError for an attention the
-    config cannot take."""
+def training_model(model, *, platform: str, remat: bool = False, attention: str = "xla"):
+    """The model the step trains: `model` with the run's remat and attention, and on CPU the
+    layers unrolled. XLA:CPU's layer scan copies every frozen block weight each step (Gemma 2B
+    LoRA at 2 x 128 tokens: 10.6 GiB of temporaries scanned, 1.7 GiB unrolled), widens a
+    scanned bfloat16 weight stack to float32 whole, which the unrolled layers' slices avoid
+    (Gemma 2B bfloat16 full fine-tune: 21.0 GiB scanned, 10.8 unrolled; `python
+    bench/memory.py --platform=cpu --dtype=bfloat16`), and in a float32 full fine-tune stacks
+    the weights and their gradients each step (2B: 19.7 GiB scanned, 18.7 unrolled; the real
+    Gemma 3 270M's step at 8 x 128 tokens 3-7% faster unrolled, at 2 x 512 ~3%, bench/README.md).
+    TPU and GPU keep the scan: compile time flat in depth. Raises ValueError for an attention
+    the config cannot take."""
     changes = {}
     if remat:
         changes["remat"] = True
     if attention != "xla":
         changes["attention"] = attention
-    narrow = jnp.dtype(getattr(model.config, "dtype", "float32")) != jnp.float32
-    if (lora or narrow) and platform == "cpu" and getattr(model.config, "scan_layers", False):
+    if platform == "cpu" and getattr(model.config, "scan_layers", False):
         changes["scan_layers"] = False
     return type(model)(model.config.replace(**changes)) if changes else model
 
@@ -95,7 +94,8 @@ def train_layout_of(model, params, *, lora: bool, platform: str) -> Callable | N
 
 def activation_rules(model, layout: str | None, platform: str) -> dict:
     """The layout table's activation rules (`sharding.activation_rules`) for a step of `model`
-    (as `training_model` returns it) on `platform`; none on CPU with the layer scan. There
+    (as `training_model` returns it) on `platform`; none for a CPU step that keeps the layer
+    scan (`training_model` unrolls it; `bench/memory.py --layers=scan` does not). There
     XLA:CPU, asked to re-lay out activations inside the loop, gathered the stacked weights
     instead: Gemma 3 270M on the simulated 1x8 mesh took 1.32 instead of 0.26 GiB of
     temporaries a device for LoRA, 2.11 instead of 0.41 for a full fine-tune; unrolled, 0.27
