@@ -43,9 +43,16 @@ def _most_probable(logits, temperature):
     probability is 1 / s, and index i reaches it iff exp(x_i - max) / s rounds to 1 / s: the
     same ties as the probabilities' (in a row of two, logits -1e-9 and 0 both have probability
     1/2), broken the same way.
+
+    That needs the shifted logit to be exactly 0 at the max, so the temperature divides
+    x - max(x), not x: with x / temperature - max(x / temperature), XLA:CPU computed the
+    division (as a product by 1 / temperature) once for the max and again, fused into the
+    subtraction with another rounding, for the exponentials. The max's exponential was then
+    not 1, no index reached 1 / s, and every row got the last token (in the decoder's
+    program, a tiny Gemma at temperature 0.7; `tests/test_sampling.py`).
     """
-    x = logits.astype(jnp.float32) / temperature
-    shifted = x - jnp.max(x, axis=-1, keepdims=True)
+    x = logits.astype(jnp.float32)
+    shifted = (x - jnp.max(x, axis=-1, keepdims=True)) / temperature  # 0 at the max: see below
     total = jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True)
     return _first(jnp.exp(shifted) / total == 1 / total)
 

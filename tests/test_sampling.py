@@ -59,6 +59,19 @@ def test_greedy_is_the_first_argmax_of_the_probabilities_including_their_ties():
     assert jnp.argmax(x[7]) == 50  # the logits' own argmax would differ
 
 
+def test_greedy_with_a_temperature_is_the_argmax_of_logits_a_program_computes():
+    """The decoder's logits come from a product inside its program, where XLA:CPU divided them
+    by the temperature twice, to two roundings: every row got the last index."""
+    from models.decode_kernels import matmul_rows
+    rng = np.random.default_rng(0)
+    table = jnp.asarray(rng.standard_normal((4096, 128)).astype(np.float32) * 8)
+    hidden = jnp.asarray(rng.standard_normal((4, 128)).astype(np.float32))
+    for temperature in (1.0, 0.7, 2.0):
+        greedy = sampling.Greedy(temperature)
+        got = jax.jit(lambda t, h: greedy(matmul_rows(t, h), None))(table, hidden)  # noqa: B023
+        np.testing.assert_array_equal(got, jnp.argmax(hidden @ table.T, axis=-1))
+
+
 def test_random_follows_the_softmax_and_is_seeded():
     freq = np.stack([np.bincount(d, minlength=5) for d in draws(sampling.Random()).T]) / 2000
     np.testing.assert_allclose(freq, jax.nn.softmax(LOGITS), atol=0.04)
