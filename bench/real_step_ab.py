@@ -1,7 +1,7 @@
 """What the real Gemma 3 270M LoRA step costs: interleaved A/Bs in one process, one CPU device.
 
     python bench/real_step_ab.py [--what=mesh,loss,budget,layers,generate,tables,activations,layout,
-                                         scored,train_layout,unmerged,attention,hidden,online]
+                                         scored,train_layout,unmerged,attention,hidden,online,screen]
                                  [--batch=8] [--dtype=float32]
                                  [--seq=40] [--rounds=3] [--decode_batches=4,8,16,40]
                                  [--new_tokens=48] [--tiny]
@@ -39,6 +39,9 @@
           (jaxlm/train/online_softmax.py) vs token-major in chunks (`token_major_loss`)
   layout  greedy decoding, one device, with vs without the CPU decode step layout, at each of
           --decode_batches (default 4,8,16,40) with --new_tokens (48) after 32-token prompts
+  screen  the same, with vs without the bfloat16 screen of the tied table for float32 greedy
+          tokens (models/greedy_screen.py; the decoder uses it on a CPU with AMX only, so
+          elsewhere both run alike); both A/Bs check that the tokens are the same either way
   scored  the demo's LoRA step on `--mesh=1x8` on its own first batch (the built-in tasks,
           response-only loss: 7% of the targets weighted) projecting only the loss chunks that
           hold a weighted target (`jaxlm.train.loss.live_chunks`) vs every chunk; and on one
@@ -221,24 +224,36 @@ def whole_hidden_gradient():
         kernels._cpu_tied_hidden_gradient = sliced
 
 
-def layout_runs(model, params, batches: str, new_tokens: int) -> dict:
-    """{b<B>_on|off: greedy decode of B random 32-token prompts} with and without the CPU step
-    layout, whatever `models.decode_kernels.STEP_LAYOUT_MAX_ROWS` says; a switch recompiles, and the
-    turn's first call (dropped) takes it."""
+def decode_runs(model, params, batches: str, new_tokens: int, what: str) -> tuple[dict, dict]:
+    """-> ({b<B>_on|off: greedy decode of B random 32-token prompts, `what` on or off},
+    {(on, B): the last call's tokens}); a switch recompiles, and the turn's first call
+    (dropped) takes it."""
+    from jaxlm import decode
+    ids = np.random.RandomState(1).randint(3, model.config.vocab_size, (64, 32)).astype(np.int32)
+    current, tokens = [None], {}
+
+    def variant(on, b):
+        def run():
+            if current[0] != (on, b):
+                switch(what, on)
+                current[0] = (on, b)
+                decode.clear_cache()
+            tokens[on, b] = decode.generate_ids(model, params, ids[:b], np.full(b, 32, np.int32),
+                                                32 + new_tokens)[0]
+        return run
+    return {f"b{b}_{name}": variant(on, b) for b in map(int, batches.split(","))
+            for name, on in (("on", True), ("off", False))}, tokens
+
+
+def switch(what: str, on: bool):
+    """layout: the CPU decode step layout at any batch or never (`STEP_LAYOUT_MAX_ROWS`);
+    screen: float32 greedy tokens through the bfloat16 screen or not (`decode.SCREEN`)."""
     from jaxlm import decode
     from models import decode_kernels
-    ids = np.random.RandomState(1).randint(3, model.config.vocab_size, (64, 32)).astype(np.int32)
-    current = [None]
-
-    def variant(rows_cap, b):
-        def run():
-            if current[0] != (rows_cap, b):
-                decode_kernels.STEP_LAYOUT_MAX_ROWS, current[0] = rows_cap, (rows_cap, b)
-                decode.clear_cache()
-            decode.generate_ids(model, params, ids[:b], np.full(b, 32, np.int32), 32 + new_tokens)
-        return run
-    return {f"b{b}_{name}": variant(cap, b) for b in map(int, batches.split(","))
-            for name, cap in (("on", 1 << 30), ("off", 0))}
+    if what == "layout":
+        decode_kernels.STEP_LAYOUT_MAX_ROWS = 1 << 30 if on else 0
+    else:
+        decode.SCREEN = on
 
 
 def take_turns(runs: dict, rounds: int) -> dict:
@@ -276,8 +291,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--decode_batches", default="4,8,16,40", help="--what=layout's batches")
-    p.add_argument("--new_tokens", type=int, default=48, help="--what=layout's new tokens")
+    p.add_argument("--decode_batches", default="4,8,16,40", help="--what=layout/screen's batches")
+    p.add_argument("--new_tokens", type=int, default=48, help="--what=layout/screen's new tokens")
     p.add_argument("--dtype", default="float32", help="--what=hidden's model dtype")
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args(argv)
@@ -359,8 +374,8 @@ def main(argv=None) -> int:
             model, params, laid = laid_out(source, args.dtype)
             runs = scoped_runs({"online": (), "token_major": (token_major_loss,)}, info,
                                model, params, one, args.batch, args.seq, train_layout=laid)
-        elif what == "layout":
-            runs = layout_runs(*load(source), args.decode_batches, args.new_tokens)
+        elif what in ("layout", "screen"):
+            runs, tokens = decode_runs(*load(source), args.decode_batches, args.new_tokens, what)
         elif what == "scored":
             mesh, cfg = sharding.make_mesh("1x8", jax.devices()[:8]), config(source)
             model, params = load(source, sharding.placement(mesh, sharding.rules_for(cfg)))
@@ -380,6 +395,11 @@ def main(argv=None) -> int:
         for run in runs.values():  # warm up (a jitted step's second call may still compile)
             run(), run()
         lines.append(report(what, take_turns(runs, args.rounds), info or None))
+        if what in ("layout", "screen"):
+            same = all(np.array_equal(t, tokens[not on, b]) for (on, b), t in tokens.items())
+            print(f"{what}: {'the same' if same else 'DIFFERENT'} tokens with and without")
+            if not same:
+                return 1
     print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} (1, 5 min) on {os.cpu_count()} cores")
     print(host_line())
     print("\n".join(lines))

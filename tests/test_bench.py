@@ -216,6 +216,15 @@ def test_real_step_ab_bench_times_the_activation_rule_against_the_partitioner():
     assert "all-gather" in table  # the rule is in the compiled step
 
 
+def test_real_step_ab_bench_decodes_alike_with_and_without_the_screen():
+    stdout, lines = run_bench("real_step_ab.py", "--tiny", "--what=screen", "--rounds=1",
+                              "--decode_batches=1,4", "--new_tokens=8")
+    assert_names_its_host(stdout)
+    for v in ("b1_on", "b1_off", "b4_on", "b4_off"):
+        positive(lines["real_ab_screen"][f"{v}_ms"])
+    assert "screen: the same tokens with and without" in stdout
+
+
 def test_demo_bench_measures_both_commands():
     out, lines = run_bench("demo.py", "--", "--preset=gemma_tiny", "--steps=2", "--num_samples=0")
     assert_names_its_host(out)
