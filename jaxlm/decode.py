@@ -241,7 +241,8 @@ def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming
             out, cache = model.apply(variables, last, cache=cache, cache_index=index - 1,
                                      return_hidden=screened)
             if screened:
-                token = greedy_screen.greedy(table, rounded, out[:, 0], lambda logits: sampler(logits, None),
+                pick = lambda logits: sampler(logits, None)  # noqa: E731
+                token = greedy_screen.greedy(table, rounded, out[:, 0], pick,
                                              tie=SCREEN_TIE * sampler.temperature)
             else:
                 token = draw(out[:, 0], key, index)
@@ -265,7 +266,7 @@ def _compiled(model, sampler, batch: int, prompt_len: int, total: int, streaming
     return jax.jit(run, out_shardings=None if mesh is None else NamedSharding(mesh, P()))
 
 
-SCREEN = True
+SCREEN = True  # False: never use the screen (the bench's A/B, bench/real_step_ab.py)
 # The greedy sampler's rule ties logits within ~2^-20 x its temperature (as the softmax does,
 # `sampling._most_probable`); the screen keeps every row that close to the largest logit.
 SCREEN_TIE = 2.0 ** -16

@@ -12,16 +12,17 @@ rounded, x for the hidden state and x' for it rounded; then
 where gamma bounds the float32 sums' rounding, and |w - w'| <= 2^-8 |w'| (bfloat16 keeps 8
 significant bits and rounds to nearest; a last term covers subnormals). The norms |w'| are
 computed once per generate call with the rounded table (the screen); the step computes the
-rounded logits a and their bounds e at once. No row v with a_v + e_v below max(a - e) can hold the largest
-logit. The vocabulary is cut into blocks of `block` rows; the `blocks` blocks with the largest
-a + e are recomputed in float32 from the table, and the greedy rule picks among them. If a
-row has a block outside these that could still hold its largest logit (a flat distribution,
-a NaN), the step falls back to the whole float32 product for the batch.
+rounded logits a and their bounds e at once. No row v with a_v + e_v below max(a - e) can
+hold the largest logit. The vocabulary is cut into blocks of `block` rows; the `blocks`
+blocks with the largest a + e are recomputed in float32 from the table, and the greedy rule
+picks among them. If a row has a block outside these that could still hold its largest
+logit (a flat distribution, a NaN), the step falls back to the whole float32 product.
 
 So the token is the float32 argmax, up to float32 rounding: the exact logits are summed in
 another order than the whole product's, so two logits within a few ulps can order otherwise
-(as between any two implementations). On the real 270M's greedy decoding the candidates above
-max(a - e) were at most 7 rows in 7 blocks of 64; the bound was at most 0.25x loose.
+(as between any two implementations). On the real 270M's greedy decoding from random prompts
+the error was at most 16% of its bound, and the candidates fell in one block of 64 at the
+median, in more than 8 blocks for 1.1% of the rows' steps, nearly all the first new token.
 
 It pays where bfloat16 products are fast: a 2-core Xeon with AMX-BF16 multiplies the 270M's
 table at batch 4 in 16.9 ms rounded against 45.7 ms in float32 (ad hoc, best of 10). The
