@@ -79,6 +79,18 @@ def keras_gemma_preset(tmp_path_factory, spm_tokenizer):
     return make
 
 
+@pytest.fixture(params=[False, True], ids=["no_amx", "amx"])
+def amx(request, monkeypatch):
+    """Each kind of CPU the decoder tells apart (`cpu_forms.amx`), whatever this machine is."""
+    import jax
+    from jaxlm import decode
+    from models import cpu_forms
+    monkeypatch.setattr(cpu_forms, "amx", lambda: request.param)
+    decode._compiled.cache_clear(), jax.clear_caches()  # programs traced for the other kind
+    yield request.param
+    decode._compiled.cache_clear(), jax.clear_caches()
+
+
 def ragged_batch(vocab_size, lengths, width, seed=0):
     """Right-padded int32 token ids (BOS first) and bool mask for rows of the given lengths."""
     rng = np.random.RandomState(seed)

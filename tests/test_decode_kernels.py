@@ -8,21 +8,11 @@ import numpy as np
 import pytest
 
 from fast_form import NARROW_KERNEL_CHOICES, dot_operand_types, narrow
-from models import cpu_forms, decode_kernels, layers
+from models import decode_kernels, layers
 from models.gemma import PRESETS, Gemma, init_cache
 
 TINY = PRESETS["gemma_tiny"].replace(vocab_size=256, num_layers=1)
 BF16_DECODE = TINY.replace(vocab_size=1024, dtype="bfloat16")  # `_bfloat16_generate_hlo`'s model
-
-
-@pytest.fixture(params=[False, True], ids=["no_amx", "amx"])
-def amx(request, monkeypatch):
-    """Each kind of CPU the decoder tells apart (`cpu_forms.amx`), whatever this machine is."""
-    from jaxlm import decode
-    monkeypatch.setattr(cpu_forms, "amx", lambda: request.param)
-    decode._compiled.cache_clear(), jax.clear_caches()  # programs traced for the other kind
-    yield request.param
-    decode._compiled.cache_clear(), jax.clear_caches()
 
 
 @pytest.mark.parametrize("eq, kernel, x", [

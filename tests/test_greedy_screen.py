@@ -71,14 +71,6 @@ def test_rows_the_screen_cannot_decide_fall_back_to_the_float32_product(x):
     np.testing.assert_array_equal(got, PICK(jnp.asarray(x) @ table.T))
 
 
-@pytest.fixture(params=[False, True], ids=["no_amx", "amx"])
-def amx(request, monkeypatch):
-    monkeypatch.setattr(cpu_forms, "amx", lambda: request.param)
-    decode._compiled.cache_clear(), jax.clear_caches()
-    yield request.param
-    decode._compiled.cache_clear(), jax.clear_caches()
-
-
 def test_the_screen_is_used_for_float32_greedy_on_one_amx_cpu_only(amx):
     cfg = PRESETS["gemma_tiny"].replace(vocab_size=V)
     greedy = sampling.Greedy()
