@@ -176,9 +176,15 @@ def matmul_rows(rows, x):
         return jnp.dot(x[0], rows.T, preferred_element_type=jnp.float32)[None].astype(x.dtype)
     if not narrow:
         return jax.lax.optimization_barrier(rows @ x.T).T
+    return narrow_rows(rows, x).astype(x.dtype)
+
+
+def narrow_rows(rows, x):
+    """Narrow rows [O, I], x [B, I] in their dtype -> x @ rows^T [B, O] in float32, as rows @
+    x^T in XLA:CPU's fast form, one row going in as two (see `matmul_rows`)."""
     xs = jnp.concatenate([x, x]) if x.shape[0] == 1 else x
     y = jnp.dot(rows, row_major(xs.T), preferred_element_type=jnp.float32)
-    return jax.lax.optimization_barrier(y).T[:x.shape[0]].astype(x.dtype)
+    return jax.lax.optimization_barrier(y).T[:x.shape[0]]
 
 
 # --- Attention over the KV cache ----------------------------------------------------------------

@@ -33,8 +33,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from models.cpu_forms import row_major
-from models.decode_kernels import matmul_rows
+from models.decode_kernels import matmul_rows, narrow_rows
 
 BLOCK = 64  # vocabulary rows per block
 BLOCKS = 16  # blocks recomputed in float32 per batch row
@@ -56,16 +55,13 @@ def bounds(screen, x):
     """x [B, H] float32 -> (a, e) [B, V] float32: the rounded logits and their error bounds."""
     rounded, norm = screen
     xr = x.astype(jnp.bfloat16)
-    # rows @ x^T in XLA:CPU's fast bfloat16 form (two rows for one: a product of one row is
-    # a matrix-vector loop; models/cpu_forms.py).
-    xs = jnp.concatenate([xr, xr]) if x.shape[0] == 1 else xr
-    a = jax.lax.optimization_barrier(
-        jnp.dot(rounded, row_major(xs.T), preferred_element_type=jnp.float32)).T[:x.shape[0]]
+    a = narrow_rows(rounded, xr)  # float32: a bfloat16 result would add its own rounding
     h = x.shape[-1]
     gamma = 2 * h * 2.0 ** -24 / (1 - 2 * h * 2.0 ** -24)  # twice the textbook bound's length
+    xw = xr.astype(jnp.float32)
     x_norm = jnp.linalg.norm(x, axis=-1, keepdims=True)
-    x_err = jnp.linalg.norm(x - xr.astype(jnp.float32), axis=-1, keepdims=True)
-    xr_norm = jnp.linalg.norm(xr.astype(jnp.float32), axis=-1, keepdims=True)
+    x_err = jnp.linalg.norm(x - xw, axis=-1, keepdims=True)
+    xr_norm = jnp.linalg.norm(xw, axis=-1, keepdims=True)
     e = (x_norm * 2.0 ** -8 + x_err + gamma * xr_norm) * norm * (1 + 2.0 ** -10)
     return a, e + 2.0 ** -100 * (1 + x_norm) * (1 + norm)
 
