@@ -182,9 +182,14 @@ def matmul_rows(rows, x):
 def narrow_rows(rows, x):
     """Narrow rows [O, I], x [B, I] in their dtype -> x @ rows^T [B, O] in float32, as rows @
     x^T in XLA:CPU's fast form, one row going in as two (see `matmul_rows`)."""
+    return jax.lax.optimization_barrier(narrow_rows_t(rows, x)).T[:x.shape[0]]
+
+
+def narrow_rows_t(rows, x):
+    """Narrow rows [O, I], x [B, I] -> rows @ x^T [O, max(B, 2)] in float32, XLA:CPU's fast
+    form: one row goes in twice, so its result has two equal columns."""
     xs = jnp.concatenate([x, x]) if x.shape[0] == 1 else x
-    y = jnp.dot(rows, row_major(xs.T), preferred_element_type=jnp.float32)
-    return jax.lax.optimization_barrier(y).T[:x.shape[0]]
+    return jnp.dot(rows, row_major(xs.T), preferred_element_type=jnp.float32)
 
 
 # --- Attention over the KV cache ----------------------------------------------------------------

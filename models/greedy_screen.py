@@ -10,33 +10,44 @@ rounded, x for the hidden state and x' for it rounded; then
     |x . w - fl(x' . w')| <= |x| |w - w'| + |x - x'| |w'| + gamma |x'| |w'|    (Cauchy-Schwarz)
 
 where gamma bounds the float32 sums' rounding, and |w - w'| <= 2^-8 |w'| (bfloat16 keeps 8
-significant bits and rounds to nearest; a last term covers subnormals). The norms |w'| are
-computed once per generate call with the rounded table (the screen); the step computes the
-rounded logits a and their bounds e at once. No row v with a_v + e_v below max(a - e) can
-hold the largest logit. The vocabulary is cut into blocks of `block` rows; the `blocks`
-blocks with the largest a + e are recomputed in float32 from the table, and the greedy rule
-picks among them. If a row has a block outside these that could still hold its largest
-logit (a flat distribution, a NaN), the step falls back to the whole float32 product.
+significant bits and rounds to nearest; a last term covers subnormals).
+
+The step works a block of `block` vocabulary rows at a time, so that nothing but the product
+passes over all V rows. The screen, built once per generate call, is the rounded table and
+each block's norm: its largest rounded row's. One bound e then serves the whole block, and
+the block's largest exact logit lies within e of its largest rounded one m (a row's exact
+logit is at most its rounded one plus e; the row of the rounded maximum's is at least m - e).
+No block with m + e below max(m - e) can hold the largest logit. The blocks that can, in
+vocabulary order (a running count places them, without XLA:CPU's sort), are recomputed in
+float32 from the table, and the greedy rule picks among them: the first `few` blocks of each
+row where that many hold every row's candidates, else the first `blocks`. If more than
+`blocks` remain for a row (a flat distribution, a NaN), the step falls back to the whole
+float32 product.
 
 So the token is the float32 argmax, up to float32 rounding: the exact logits are summed in
 another order than the whole product's, so two logits within a few ulps can order otherwise
 (as between any two implementations). On the real 270M's greedy decoding from random prompts
-the error was at most 16% of its bound, and the candidates fell in one block of 64 at the
-median, in more than 8 blocks for 1.1% of the rows' steps, nearly all the first new token.
+(3 x 8 rows x 64 steps) the candidates fell in one block of 64 at the median, in more than 8
+blocks for 1.0% of the rows' steps and more than 16 for 0.46%, nearly all the first new
+token; a bound for each row instead of each block gave the same counts. Each row's error was
+at most 16% of its own bound.
 
 It pays where bfloat16 products are fast: a 2-core Xeon with AMX-BF16 multiplies the 270M's
-table at batch 4 in 16.9 ms rounded against 45.7 ms in float32 (ad hoc, best of 10). The
-screen is held while generating: half the table's bytes more.
+table at batch 4 in 16.9 ms rounded against 45.7 ms in float32 (ad hoc, best of 10), and the
+whole screen took 16.2 ms of a step (20.3 with a bound for each row and a top-k over the
+blocks, 2.5 ms of it XLA:CPU's sort). The screen is held while generating: half the table's
+bytes more.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from models.decode_kernels import matmul_rows, narrow_rows
+from models.decode_kernels import matmul_rows, narrow_rows_t
 
 BLOCK = 64  # vocabulary rows per block
-BLOCKS = 16  # blocks recomputed in float32 per batch row
+BLOCKS = 16  # at most this many blocks recomputed in float32 per batch row ...
+FEW = 2  # ... and only this many where they suffice for every row (most steps)
 
 
 def fits(vocab: int, block: int = BLOCK, blocks: int = BLOCKS) -> bool:
@@ -44,39 +55,53 @@ def fits(vocab: int, block: int = BLOCK, blocks: int = BLOCKS) -> bool:
     return vocab % block == 0 and vocab // block > 2 * blocks
 
 
-def build(table):
-    """table [V, H] float32 -> the screen: (the table rounded to bfloat16 [V, H], the rounded
-    rows' norms |w'| [V] float32)."""
+def build(table, block: int = BLOCK):
+    """table [V, H] float32 -> the screen: (the table rounded to bfloat16 [V, H], each block's
+    largest rounded-row norm |w'| [V / block] float32)."""
     rounded = table.astype(jnp.bfloat16)
-    return rounded, jnp.sqrt(jnp.sum(jnp.square(rounded.astype(jnp.float32)), axis=-1))
+    norms = jnp.sqrt(jnp.sum(jnp.square(rounded.astype(jnp.float32)), axis=-1))
+    return rounded, jnp.max(norms.reshape(-1, block), axis=-1)
 
 
 def bounds(screen, x):
-    """x [B, H] float32 -> (a, e) [B, V] float32: the rounded logits and their error bounds."""
-    rounded, norm = screen
+    """x [B, H] float32 -> (m, e) [B, V / block] float32: each block's largest rounded logit,
+    and a bound on every rounded logit's error in the block, so the block's largest exact
+    logit lies within e of m."""
+    rounded, norm = screen  # norm [V / block]: each block's largest
+    (v, h), b = rounded.shape, x.shape[0]
     xr = x.astype(jnp.bfloat16)
-    a = narrow_rows(rounded, xr)  # float32: a bfloat16 result would add its own rounding
-    h = x.shape[-1]
+    a = narrow_rows_t(rounded, xr)  # [V, B or 2] float32: a bfloat16 result adds a rounding
+    m = jnp.max(a.reshape(norm.shape[0], v // norm.shape[0], -1), axis=1)[:, :b].T
     gamma = 2 * h * 2.0 ** -24 / (1 - 2 * h * 2.0 ** -24)  # twice the textbook bound's length
     xw = xr.astype(jnp.float32)
     x_norm = jnp.linalg.norm(x, axis=-1, keepdims=True)
     x_err = jnp.linalg.norm(x - xw, axis=-1, keepdims=True)
     xr_norm = jnp.linalg.norm(xw, axis=-1, keepdims=True)
     e = (x_norm * 2.0 ** -8 + x_err + gamma * xr_norm) * norm * (1 + 2.0 ** -10)
-    return a, e + 2.0 ** -100 * (1 + x_norm) * (1 + norm)
+    return m, e + 2.0 ** -100 * (1 + x_norm) * (1 + norm)
 
 
-def certain(a, e, tie: float = 0.0, block: int = BLOCK, blocks: int = BLOCKS):
-    """-> (whether the `blocks` blocks of the largest a + e hold every logit within `tie` of
-    each row's largest (a bool scalar; False where a row has NaN), their indices [B, blocks])."""
-    b, v = a.shape
-    floor = jnp.max(a - e, axis=-1) - tie  # [B]: no logit below this can be picked
-    ceiling = jnp.max((a + e).reshape(b, v // block, block), axis=-1)  # [B, V / block]
-    top, ids = jax.lax.top_k(ceiling, blocks + 1)
-    return jnp.all(top[:, blocks] < floor), ids[:, :blocks]
+def candidates(m, e, tie: float = 0.0, blocks: int = BLOCKS):
+    """-> (how many blocks of each row can hold a logit within `tie` of its largest [B] (0
+    where a row has NaN), the first `blocks` of them [B, blocks] in vocabulary order, the
+    last repeated to fill)."""
+    floor = jnp.max(m - e, axis=-1, keepdims=True) - tie  # no logit below this can be picked
+    return _first(m + e >= floor, blocks)
 
 
-def greedy(table, screen, x, pick, tie: float, block: int = BLOCK, blocks: int = BLOCKS):
+def _first(mask, k: int):
+    """mask [B, N] bool -> (how many hold [B], the first k indices that hold [B, k] in order,
+    the last repeated where fewer hold; -1 where none does). A cumulative count places each
+    index in its slot: XLA:CPU's top-k is a sort, 2.5 ms of [4, 4096] against 0.16."""
+    b, n = mask.shape
+    slot = jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
+    into = jnp.where(mask & (slot < k), slot, k)  # slot k: a bin for the rest
+    ids = jnp.full((b, k + 1), -1, jnp.int32).at[jnp.arange(b)[:, None], into].set(
+        jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)))[:, :k]
+    return slot[:, -1] + 1, jax.lax.cummax(ids, axis=1)
+
+
+def greedy(table, screen, x, pick, tie: float, blocks: int = BLOCKS, few: int = FEW):
     """x [B, H] float32 -> pick(x @ table^T) [B] int32, reading the table only where the
     screen cannot rule a row out (see the module docstring).
 
@@ -85,17 +110,22 @@ def greedy(table, screen, x, pick, tie: float, block: int = BLOCK, blocks: int =
     first in vocabulary order."""
     b = x.shape[0]
     v, h = table.shape
-    decided, ids = certain(*bounds(screen, x), tie, block, blocks)
+    block = v // screen[1].shape[0]
+    count, ids = candidates(*bounds(screen, x), tie, blocks)
+    worst = jnp.max(jnp.where(count >= 1, count, blocks + 1))  # NaN: the whole product
 
-    def exact():
-        chosen = jnp.sort(ids, axis=-1)  # vocabulary order, for pick's ties
-        rows = table.reshape(v // block, block, h)[chosen]  # [B, blocks, block, H]
-        logits = jnp.einsum("bkrh,bh->bkr", rows, x).reshape(b, blocks * block)
-        j = pick(logits)
-        return (jnp.take_along_axis(chosen, (j // block)[:, None], axis=1)[:, 0] * block
-                + j % block).astype(jnp.int32)
+    def exact(k):
+        def recompute():
+            chosen = ids[:, :k]
+            rows = table.reshape(v // block, block, h)[chosen]  # [B, k, block, H]
+            logits = jnp.einsum("bkrh,bh->bkr", rows, x).reshape(b, k * block)
+            j = pick(logits)  # a repeated block repeats a row after its first copy
+            return (jnp.take_along_axis(chosen, (j // block)[:, None], axis=1)[:, 0] * block
+                    + j % block).astype(jnp.int32)
+        return recompute
 
     def whole():
         return pick(matmul_rows(table, x)).astype(jnp.int32)
 
-    return jax.lax.cond(decided, exact, whole)
+    branch = (worst > few).astype(jnp.int32) + (worst > blocks).astype(jnp.int32)
+    return jax.lax.switch(branch, [exact(few), exact(blocks), whole])

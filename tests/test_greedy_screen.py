@@ -15,6 +15,12 @@ PICK = lambda logits: sampling.Greedy()(logits, None)  # noqa: E731
 TIE = decode.SCREEN_TIE
 
 
+def _decided(m, e, tie=0.0) -> bool:
+    """Whether the screen itself decides every row (no fallback to the whole product)."""
+    count = np.asarray(greedy_screen.candidates(m, e, tie)[0])
+    return bool(np.all((count >= 1) & (count <= greedy_screen.BLOCKS)))
+
+
 def _table(seed=0, scale=1.0):
     rng = np.random.default_rng(seed)
     return jnp.asarray(rng.standard_normal((V, H)).astype(np.float32) * scale)
@@ -24,11 +30,21 @@ def _table(seed=0, scale=1.0):
 def test_the_bounds_hold_and_are_not_vacuous(scale):
     table = _table(scale=scale)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((5, H)).astype(np.float32) * 7)
-    a, e = jax.jit(greedy_screen.bounds)(greedy_screen.build(table), x)
+    m, e = jax.jit(greedy_screen.bounds)(greedy_screen.build(table), x)
     exact = np.asarray(x, np.float64) @ np.asarray(table, np.float64).T
-    ratio = np.abs(np.asarray(a, np.float64) - exact) / np.asarray(e)
+    block_max = exact.reshape(5, -1, greedy_screen.BLOCK).max(axis=-1)
+    ratio = np.abs(np.asarray(m, np.float64) - block_max) / np.asarray(e)
     assert ratio.max() <= 1
     assert ratio.max() > 0.05  # the bound is near what rounding does, so the screen rules rows out
+
+
+def test_the_candidate_blocks_are_the_first_that_hold_in_order():
+    mask = np.zeros((3, 40), bool)
+    mask[0, [3, 9, 30]] = True
+    mask[1, :] = True  # more than k
+    count, ids = greedy_screen._first(jnp.asarray(mask), 4)
+    np.testing.assert_array_equal(count, [3, 40, 0])
+    np.testing.assert_array_equal(ids, [[3, 9, 30, 30], [0, 1, 2, 3], [-1, -1, -1, -1]])
 
 
 def _peaked(table, rows, seed=2):
@@ -41,8 +57,8 @@ def test_a_clear_winner_is_found_by_the_screen_and_equals_the_argmax():
     table = _table()
     x = _peaked(table, [7, 4000, 1234, 64])
     screen = greedy_screen.build(table)
-    a, e = greedy_screen.bounds(screen, x)
-    assert bool(greedy_screen.certain(a, e)[0])  # the screen's own path, not the fallback
+    m, e = greedy_screen.bounds(screen, x)
+    assert _decided(m, e)  # the screen's own path, not the fallback
     got = jax.jit(greedy_screen.greedy, static_argnums=(3, 4))(table, screen, x, PICK, TIE)
     np.testing.assert_array_equal(got, [7, 4000, 1234, 64])
     np.testing.assert_array_equal(got, PICK(x @ table.T))
@@ -66,7 +82,7 @@ def test_rows_the_screen_cannot_decide_fall_back_to_the_float32_product(x):
     table = _table()
     screen = greedy_screen.build(table)
     a, e = greedy_screen.bounds(screen, jnp.asarray(x))
-    assert not bool(greedy_screen.certain(a, e, TIE)[0])
+    assert not _decided(a, e, TIE)
     got = greedy_screen.greedy(table, screen, jnp.asarray(x), PICK, TIE)
     np.testing.assert_array_equal(got, PICK(jnp.asarray(x) @ table.T))
 
@@ -84,16 +100,23 @@ def test_the_screen_is_used_for_float32_greedy_on_one_amx_cpu_only(amx):
     assert decode._screen_pays("cpu", PRESETS["gemma_2b_en"].replace(num_layers=2), greedy, None) == amx
 
 
-def test_a_winner_in_more_blocks_than_the_screen_recomputes_falls_back():
+@pytest.mark.parametrize("copies", [
+    greedy_screen.FEW,         # the few blocks most steps recompute
+    greedy_screen.FEW + 3,     # up to BLOCKS of them
+    greedy_screen.BLOCKS + 2,  # more: the fallback to the whole product
+])
+def test_near_copies_of_the_winner_in_several_blocks_are_all_recomputed(copies):
+    """One row a block, each a little larger than the last: all within the screen's bound,
+    so every block is a candidate, and the largest logit is in the last."""
     table = np.array(_table())
-    copies = np.arange(greedy_screen.BLOCKS + 2) * greedy_screen.BLOCK + 5  # one row a block
-    table[copies] = table[copies[-1]]
+    rows = np.arange(copies) * greedy_screen.BLOCK + 5
+    table[rows] = table[5] * (1 + 1e-5 * np.arange(copies))[:, None]
     table = jnp.asarray(table)
-    x = _peaked(table, [copies[-1]])
-    a, e = greedy_screen.bounds(greedy_screen.build(table), x)
-    assert not bool(greedy_screen.certain(a, e, TIE)[0])
+    x = _peaked(table, [5])
+    m, e = greedy_screen.bounds(greedy_screen.build(table), x)
+    assert int(greedy_screen.candidates(m, e, TIE)[0][0]) == copies
     got = greedy_screen.greedy(table, greedy_screen.build(table), x, PICK, TIE)
-    assert int(got[0]) == 5 == int(PICK(x @ table.T)[0])
+    assert int(got[0]) == rows[-1] == int(PICK(x @ table.T)[0])
 
 
 def test_screened_decoding_gives_the_plain_decoders_tokens(monkeypatch):
@@ -125,5 +148,5 @@ def test_screened_decoding_gives_the_plain_decoders_tokens(monkeypatch):
     hidden = model.apply({"params": params}, jnp.asarray(out[True][0]), return_hidden=True)
     a, e = greedy_screen.bounds(greedy_screen.build(params["token_embedding"]["embeddings"]),
                                 hidden.reshape(-1, cfg.hidden_dim))
-    decided = [bool(greedy_screen.certain(a[i:i + 1], e[i:i + 1], TIE)[0]) for i in range(a.shape[0])]
+    decided = [_decided(a[i:i + 1], e[i:i + 1], TIE) for i in range(a.shape[0])]
     assert np.mean(decided) > 0.5
