@@ -81,6 +81,7 @@ import numpy as np  # noqa: E402
 import jaxlm  # noqa: E402
 import sharding  # noqa: E402
 from bench.common import host_line  # noqa: E402
+from bench.ab_scopes import every_chunk, plain_attention, switch, token_major_loss, whole_hidden_gradient  # noqa: E402
 from bench.real_frameworks import as_trained  # noqa: E402
 from jaxlm.train import aot, optim, trainer  # noqa: E402
 from jaxlm.tree import flatten, unflatten  # noqa: E402
@@ -151,29 +152,6 @@ def demo_rows(source, batch_size: int, seq: int) -> dict:
     return data.batch_rows(rows, 0, batch_size=batch_size, seed=0)
 
 
-@contextlib.contextmanager
-def every_chunk():
-    """Trace the loss as it was before `live_chunks`: every chunk projected, weighted or not."""
-    live = L.live_chunks
-    L.live_chunks = lambda weights, c: -(-weights.shape[1] // c)
-    try:
-        yield
-    finally:
-        L.live_chunks = live
-
-
-@contextlib.contextmanager
-def plain_attention():
-    """Trace training attention as before the CPU kernel: autodiff's products, small blocks."""
-    from models import kernels, layers
-    core, block = kernels._cpu_softmax_attention, kernels.CPU_QUERY_BLOCK
-    kernels._cpu_softmax_attention, kernels.CPU_QUERY_BLOCK = layers.softmax_attention, layers.QUERY_BLOCK
-    try:
-        yield
-    finally:
-        kernels._cpu_softmax_attention, kernels.CPU_QUERY_BLOCK = core, block
-
-
 def laid_out(source, dtype):
     """-> (model, params, train_layout) for a LoRA step on CPU, as train.py builds it."""
     return as_trained(load(source, dtype=dtype), lora_rank=4)
@@ -190,38 +168,6 @@ def scoped_runs(variants: dict, info: dict, *step_args, **step_kw) -> dict:
             run, info[name] = lora_step(*step_args, **step_kw)
         runs[name] = stepper(run)
     return runs
-
-
-@contextlib.contextmanager
-def token_major_loss():
-    """Trace the loss token-major on one device too, as before jaxlm/train/online_softmax.py:
-    each chunk's [B, C, V] logits block, its sums and d (`loss._token_major`)."""
-    from jaxlm.train import online_softmax
-    online = online_softmax.loss
-
-    def token_major(h, emb, columns, y, w, live, cap, gradient=True):
-        if not gradient:  # the value alone, which a train step does not take
-            return online(h, emb, columns, y, w, live, cap, gradient)
-        loss, hits, _, d_h = L._chunk_loop(h, live, None, lambda i: L._token_major(
-            h[i], emb, columns, y[i], w[i], cap, train_emb=False))
-        return loss, hits, d_h
-    online_softmax.loss = token_major
-    try:
-        yield
-    finally:
-        online_softmax.loss = online
-
-
-@contextlib.contextmanager
-def whole_hidden_gradient():
-    """Trace the loss's hidden gradient as before `tied_hidden_gradient`: one product over V."""
-    from models import kernels
-    sliced = kernels._cpu_tied_hidden_gradient
-    kernels._cpu_tied_hidden_gradient = kernels._tied_hidden_gradient
-    try:
-        yield
-    finally:
-        kernels._cpu_tied_hidden_gradient = sliced
 
 
 def decode_runs(model, params, batches: str, new_tokens: int, what: str) -> tuple[dict, dict]:
@@ -243,17 +189,6 @@ def decode_runs(model, params, batches: str, new_tokens: int, what: str) -> tupl
         return run
     return {f"b{b}_{name}": variant(on, b) for b in map(int, batches.split(","))
             for name, on in (("on", True), ("off", False))}, tokens
-
-
-def switch(what: str, on: bool):
-    """layout: the CPU decode step layout at any batch or never (`STEP_LAYOUT_MAX_ROWS`);
-    screen: float32 greedy tokens through the bfloat16 screen or not (`decode.SCREEN`)."""
-    from jaxlm import decode
-    from models import decode_kernels
-    if what == "layout":
-        decode_kernels.STEP_LAYOUT_MAX_ROWS = 1 << 30 if on else 0
-    else:
-        decode.SCREEN = on
 
 
 def take_turns(runs: dict, rounds: int) -> dict:
