@@ -89,6 +89,12 @@ def candidates(m, e, tie: float = 0.0, blocks: int = BLOCKS):
     return _first(m + e >= floor, blocks)
 
 
+def widest(count, blocks: int = BLOCKS):
+    """count [B] from `candidates` -> the most candidate blocks a row has: blocks + 1 (more
+    than the screen recomputes) where a row has none, which only NaN gives."""
+    return jnp.max(jnp.where(count >= 1, count, blocks + 1))
+
+
 def _first(mask, k: int):
     """mask [B, N] bool -> (how many hold [B], the first k indices that hold [B, k] in order,
     the last repeated where fewer hold; -1 where none does). A cumulative count places each
@@ -112,7 +118,7 @@ def greedy(table, screen, x, pick, tie: float, blocks: int = BLOCKS, few: int = 
     v, h = table.shape
     block = v // screen[1].shape[0]
     count, ids = candidates(*bounds(screen, x), tie, blocks)
-    worst = jnp.max(jnp.where(count >= 1, count, blocks + 1))  # NaN: the whole product
+    worst = widest(count, blocks)
 
     def exact(k):
         def recompute():
