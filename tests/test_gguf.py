@@ -169,6 +169,28 @@ def test_lean_reader_equals_llama_cpp_reader(small_gemma3, tmp_path):
                                           gguf.quants.dequantize(np.asarray(o.data), o.tensor_type))
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "BF16",
+                                  "IQ4_NL", "F16"])
+def test_dequantised_in_row_blocks_as_llama_cpp(kind, monkeypatch):
+    """The loader dequantises a block of rows at once with the format's own function: the
+    values of `gguf.quants.dequantize`, bit for bit, for whole tensors and row ranges (random
+    bytes stand in for the blocks: numpy's gguf quantises few of these formats)."""
+    from jaxlm.convert import gguf as ours, gguf_file
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, (40, 512 // block * size), dtype=np.uint8)
+    if kind == "F16":  # typed, as the reader gives it
+        data = rng.standard_normal((40, 512)).astype(np.float16)
+    t = gguf_file.Tensor("blk.0.ffn_up.weight", qtype, (40, 512), data)
+    want = gguf.quants.dequantize(data, qtype).reshape(40, 512)
+    monkeypatch.setattr(ours, "DEQUANT_ROWS", 16)  # several blocks and a remainder
+    got = ours._dequantise(t, None)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(ours._dequantise(t, None, 7, 29), want[7:29])
+
+
 def test_truncated_file(small_gemma3, tmp_path):
     path, _, _ = small_gemma3
     data = path.read_bytes()

@@ -18,6 +18,7 @@ block formats (and BF16) as uint8 rows of bytes. Malformed or truncated files ra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 
 import numpy as np
@@ -48,22 +49,34 @@ class File:
 
 
 class _Cursor:
+    """Reads the header from a memoryview of the file: a slice of the memmap itself is a new
+    numpy view, and the 262k strings of Gemma's vocabulary took ~0.6 s a read that way, against
+    ~0.2 s now (ad hoc); train.py reads the file five times (its config thrice, its tokenizer,
+    its tensors)."""
+
     def __init__(self, buf, order: str):
-        self.buf, self.order, self.pos = buf, order, 0
+        self.buf, self.order, self.pos = memoryview(buf), order, 0
+        self._length = struct.Struct(f"{order}Q")
 
     def take(self, code: str, count: int = 1):
-        fmt = f"{self.order}{count}{code}"
-        out = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
+        fmt = _struct(f"{self.order}{count}{code}")
+        out = fmt.unpack_from(self.buf, self.pos)
+        self.pos += fmt.size
         return out if count != 1 else out[0]
 
     def string(self) -> str:
-        n = self.take("Q")
-        if self.pos + n > len(self.buf):
-            raise ValueError("a string runs past the end of the file")
-        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
-        self.pos += n
-        return s
+        return self.strings(1)[0]
+
+    def strings(self, n: int) -> list:
+        buf, unpack, pos, end, out = self.buf, self._length.unpack_from, self.pos, len(self.buf), []
+        for _ in range(n):
+            (size,), pos = unpack(buf, pos), pos + 8
+            if pos + size > end:
+                raise ValueError("a string runs past the end of the file")
+            out.append(str(buf[pos:pos + size], "utf-8", "replace"))
+            pos += size
+        self.pos = pos
+        return out
 
     def value(self, kind: int):
         if kind == _STRING:
@@ -71,7 +84,7 @@ class _Cursor:
         if kind == _ARRAY:
             sub, n = self.take("I"), self.take("Q")
             if sub == _STRING:
-                return [self.string() for _ in range(n)]
+                return self.strings(n)
             if sub == _ARRAY:
                 return [self.value(_ARRAY) for _ in range(n)]
             code = _SCALARS[sub]
@@ -85,6 +98,11 @@ class _Cursor:
         if kind not in _SCALARS:
             raise ValueError(f"unknown metadata value type {kind}")
         return self.take(_SCALARS[kind])
+
+
+@functools.lru_cache(maxsize=64)
+def _struct(fmt: str) -> struct.Struct:
+    return struct.Struct(fmt)
 
 
 def read(path: str) -> File:
