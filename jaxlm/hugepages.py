@@ -10,7 +10,9 @@ steps took 4.8 s instead of 5.7, a batch-4 decode step 6.9 ms instead of 7.8-8.8
 
 glibc reads its tunables once, when the process starts, so `python train.py` and `python -m
 jaxlm.generate` re-execute themselves once with the tunable added (same PID, arguments and
-environment otherwise) before any work; importing the jaxlm package, ~1 s, is paid twice.
+environment otherwise) before any work. train.py does it before the jaxlm package is imported
+(it loads this module by its path); `python -m jaxlm.generate` cannot, as Python imports the
+package (and JAX, ~1.6 s on a 2-core host) before the module, and pays that twice.
 Library code never does this: in your own scripts, set the variable before starting Python.
 `JAXLM_HUGE_PAGES=0` turns it off; an older glibc ignores the tunable, and the variable being
 set stops a second re-exec. `jaxlm.launch` adds its own tunable for the local processes it

@@ -1,5 +1,6 @@
 """The command-line tools restart once with glibc's huge-page tunable (jaxlm.hugepages)."""
 import os
+import re
 import subprocess
 import sys
 
@@ -63,3 +64,14 @@ def test_a_script_restarts_exactly_once_with_its_arguments(tmp_path):
     env["JAXLM_HUGE_PAGES"] = "0"
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
     assert out.returncode == 1 and out.stdout.splitlines() == ["start None"]  # KeyError: no restart
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc tunables are Linux-only")
+def test_train_py_restarts_before_importing_jax():
+    """train.py restarts before the jaxlm package is imported, so JAX is imported once, by the
+    restarted process (`-X importtime` lines of both processes share stderr)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "JAXLM_HUGE_PAGES")}
+    out = subprocess.run([sys.executable, "-X", "importtime", os.path.join(ROOT, "train.py"), "--help"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert "--lora_rank" in out.stdout
+    assert len(re.findall(r"\|\s+jax\s*$", out.stderr, re.MULTILINE)) == 1
