@@ -98,8 +98,9 @@ def restart_with_huge_pages() -> None:
 
     The package imports JAX (~1.6 s on a 2-core host), which the restarted process imports
     again; the module needs only os and sys, so it is loaded by its path, outside the package.
-    `python train.py --preset=gemma_tiny --steps=20` took 9.1-11.2 s that way round, 7.7-7.9 s
-    with the tunable already set (the 2-core AMD EPYC, 2026-12-07)."""
+    `python train.py --preset=gemma_tiny --steps=20` took 9.1-11.2 s with the restart after that
+    import, 7.6-7.9 s with it first (7.3-7.6 s with the tunable already set; the 2-core AMD
+    EPYC, 2026-12-07)."""
     import importlib.util
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jaxlm", "hugepages.py")
     if not os.path.exists(path):  # this file away from its checkout: the installed package

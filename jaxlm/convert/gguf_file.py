@@ -51,7 +51,7 @@ class File:
 class _Cursor:
     """Reads the header from a memoryview of the file: a slice of the memmap itself is a new
     numpy view, and the 262k strings of Gemma's vocabulary took ~0.6 s a read that way, against
-    ~0.2 s now (ad hoc); train.py reads the file five times (its config thrice, its tokenizer,
+    ~0.12 s now (ad hoc); train.py reads the file five times (its config thrice, its tokenizer,
     its tensors)."""
 
     def __init__(self, buf, order: str):
