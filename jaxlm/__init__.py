@@ -10,7 +10,12 @@ The public face (the promise to users; docs/architecture.md, "Public API"):
     adapters = jaxlm.lora.init(params, rank=4, key=jax.random.key(0))
     merged = jaxlm.lora.merge(params, adapters)
 """
-from jaxlm import lora
+from jaxlm import hugepages as _hugepages
+
+if _hugepages.starting_module() == "jaxlm.generate":  # the command restarts before JAX is imported
+    _hugepages.restart_with_huge_pages()
+
+from jaxlm import lora  # noqa: E402 (after the restart)
 from jaxlm.errors import UserError
 from jaxlm.generate import generate
 from jaxlm.loading import load, load_tokenizer, save

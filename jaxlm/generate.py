@@ -169,5 +169,5 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     from jaxlm.hugepages import restart_with_huge_pages
-    restart_with_huge_pages()  # on Linux: once (see its docstring)
+    restart_with_huge_pages()  # on Linux, once; the package did already when started with -m
     main()

@@ -10,9 +10,10 @@ steps took 4.8 s instead of 5.7, a batch-4 decode step 6.9 ms instead of 7.8-8.8
 
 glibc reads its tunables once, when the process starts, so `python train.py` and `python -m
 jaxlm.generate` re-execute themselves once with the tunable added (same PID, arguments and
-environment otherwise) before any work. train.py does it before the jaxlm package is imported
-(it loads this module by its path); `python -m jaxlm.generate` cannot, as Python imports the
-package (and JAX, ~1.6 s on a 2-core host) before the module, and pays that twice.
+environment otherwise) before any work, and before JAX is imported (~1.6 s on a 2-core host,
+which the restarted process would pay again): train.py loads this module by its path; for
+`python -m jaxlm.generate`, which Python starts by importing the jaxlm package, the package
+restarts first thing (`starting_module`).
 Library code never does this: in your own scripts, set the variable before starting Python.
 `JAXLM_HUGE_PAGES=0` turns it off; an older glibc ignores the tunable, and the variable being
 set stops a second re-exec. `jaxlm.launch` adds its own tunable for the local processes it
@@ -40,6 +41,16 @@ def tuned_environ(environ) -> dict | None:
     tunables = environ.get("GLIBC_TUNABLES", "")
     tuned = with_tunables(tunables, TUNABLE)
     return None if tuned == tunables else {**environ, "GLIBC_TUNABLES": tuned}
+
+
+def starting_module(argv=None, orig_argv=None) -> str | None:
+    """The module `python -m` is about to run, while Python imports its packages (it sets
+    sys.argv[0] to "-m" until the module itself starts); None otherwise."""
+    argv = sys.argv if argv is None else argv
+    orig_argv = sys.orig_argv if orig_argv is None else orig_argv
+    if argv[:1] != ["-m"] or "-m" not in orig_argv[:-1]:
+        return None
+    return orig_argv[orig_argv.index("-m") + 1]
 
 
 def restart_with_huge_pages(execve=os.execve) -> None:

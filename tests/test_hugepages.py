@@ -66,12 +66,24 @@ def test_a_script_restarts_exactly_once_with_its_arguments(tmp_path):
     assert out.returncode == 1 and out.stdout.splitlines() == ["start None"]  # KeyError: no restart
 
 
+
+def test_starting_module_is_the_m_target_only_while_python_locates_it():
+    assert hugepages.starting_module(["-m"], ["python", "-X", "importtime", "-m", "jaxlm.generate",
+                                              "--model=m"]) == "jaxlm.generate"
+    assert hugepages.starting_module(["/x/jaxlm/generate.py"], ["python", "-m", "jaxlm.generate"]) \
+        is None  # the module runs: the package's import is over
+    assert hugepages.starting_module(["train.py"], ["python", "train.py", "-m", "x"]) is None
+    assert hugepages.starting_module(["-m"], ["python", "-m"]) is None
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc tunables are Linux-only")
-def test_train_py_restarts_before_importing_jax():
-    """train.py restarts before the jaxlm package is imported, so JAX is imported once, by the
-    restarted process (`-X importtime` lines of both processes share stderr)."""
+@pytest.mark.parametrize("command", [[os.path.join(ROOT, "train.py")], ["-m", "jaxlm.generate"]],
+                         ids=["train.py", "jaxlm.generate"])
+def test_the_commands_restart_before_importing_jax(command):
+    """train.py and `python -m jaxlm.generate` restart before JAX is imported, so it is imported
+    once, by the restarted process (`-X importtime` lines of both processes share stderr)."""
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "JAXLM_HUGE_PAGES")}
-    out = subprocess.run([sys.executable, "-X", "importtime", os.path.join(ROOT, "train.py"), "--help"],
+    out = subprocess.run([sys.executable, "-X", "importtime", *command, "--help"], cwd=ROOT,
                          env=env, capture_output=True, text=True, check=True)
-    assert "--lora_rank" in out.stdout
+    assert "usage:" in out.stdout
     assert len(re.findall(r"\|\s+jax\s*$", out.stderr, re.MULTILINE)) == 1
