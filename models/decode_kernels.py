@@ -67,7 +67,8 @@ def step_layout_pays(platform: str, block_bytes: int, rows: int, dtype="float32"
     """Whether the decoder should build the step layout for a batch of `rows` in `dtype`: on
     CPU, for block kernels of at most STEP_LAYOUT_MAX_BYTES (the copy is held while
     generating) and at most STEP_LAYOUT_MAX_ROWS rows (a larger batch is not bound by the
-    weight stream); in a narrow dtype, on a CPU without AMX (`cpu_forms.amx`), for one row only.
+    weight stream); on a CPU without AMX (`cpu_forms.amx`), in a narrow dtype for one row only,
+    in float32 for two rows or more.
 
     Without AMX a narrow kernel multiplies several rows fastest as stored (`_stored_product`).
     The real Gemma 3 270M, bfloat16, 32 + 64 tokens, with the layout vs as stored (a 2-core AMD
@@ -76,11 +77,16 @@ def step_layout_pays(platform: str, block_bytes: int, rows: int, dtype="float32"
     45.4 ms, where the layout's rows are read by a vector-matrix loop. With AMX the layout
     wins at every batch (a 2-core Xeon, the same way, the whole call over 64 steps): batch 2
     31.6 vs 44.2 ms, 4 34.1 vs 44.4, 8 39.3 vs 50.3. In float32 the layout pays at batch 4 on
-    both (48.8 vs 53.1 ms on the EPYC). Beyond the layout's rows, where the plain einsum
-    widened the narrow kernels, batch 32 went from 111.7 to 90.8 ms a step (the EPYC)."""
-    narrow = jnp.dtype(dtype).itemsize < 4
-    return (platform == "cpu" and block_bytes <= STEP_LAYOUT_MAX_BYTES
-            and rows <= (1 if narrow and not cpu_forms.amx() else STEP_LAYOUT_MAX_ROWS))
+    both (48.8 vs 53.1 ms on the EPYC), but not for one row on the EPYC, whose one-row
+    product is a vector-matrix loop either way: 64 new tokens 2494 vs 2427 ms (best of 6; the
+    median 2820 vs 2688), and the layout's trace (~1 s of a first call) and copy for nothing.
+    Beyond the layout's rows, where the plain einsum widened the narrow kernels, batch 32 went
+    from 111.7 to 90.8 ms a step (the EPYC)."""
+    if platform != "cpu" or block_bytes > STEP_LAYOUT_MAX_BYTES:
+        return False
+    if cpu_forms.amx():
+        return rows <= STEP_LAYOUT_MAX_ROWS
+    return rows == 1 if jnp.dtype(dtype).itemsize < 4 else 2 <= rows <= STEP_LAYOUT_MAX_ROWS
 
 
 _PER_HEAD = "BTH,NHD->BTND"  # the query/key/value projections

@@ -93,6 +93,9 @@ def test_the_step_layout_is_built_for_small_models_and_batches_on_cpu_only(amx):
     assert decode_kernels.step_layout_pays("cpu", 1, 2, "bfloat16") == amx
     assert decode_kernels.step_layout_pays("cpu", 1, rows, "bfloat16") == amx
     assert not decode_kernels.step_layout_pays("cpu", 1, rows + 1, "bfloat16")
+    # float32: without AMX from two rows (one row is a vector-matrix loop either way)
+    assert decode_kernels.step_layout_pays("cpu", 1, 1) == amx
+    assert decode_kernels.step_layout_pays("cpu", 1, 2)
 
 
 @pytest.mark.parametrize("eq, kernel, x", [
