@@ -79,7 +79,8 @@ def step_layout_pays(platform: str, block_bytes: int, rows: int, dtype="float32"
     31.6 vs 44.2 ms, 4 34.1 vs 44.4, 8 39.3 vs 50.3. In float32 the layout pays at batch 4 on
     both (48.8 vs 53.1 ms on the EPYC), but not for one row on the EPYC, whose one-row
     product is a vector-matrix loop either way: 64 new tokens 2494 vs 2427 ms (best of 6; the
-    median 2820 vs 2688), and the layout's trace (~1 s of a first call) and copy for nothing.
+    median 2820 vs 2688; in another pair of runs 41 vs 42-45 ms a step, 248-269 vs 121-140 ms
+    before the first), and the layout's trace and copy are spared.
     Beyond the layout's rows, where the plain einsum widened the narrow kernels, batch 32 went
     from 111.7 to 90.8 ms a step (the EPYC)."""
     if platform != "cpu" or block_bytes > STEP_LAYOUT_MAX_BYTES:
