@@ -46,8 +46,8 @@ def tuned_environ(environ) -> dict | None:
 def starting_module(argv=None, orig_argv=None) -> str | None:
     """The module `python -m` is about to run, while Python imports its packages (it sets
     sys.argv[0] to "-m" until the module itself starts); None otherwise."""
-    argv = sys.argv if argv is None else argv
-    orig_argv = sys.orig_argv if orig_argv is None else orig_argv
+    argv = getattr(sys, "argv", []) if argv is None else argv  # an embedded interpreter may
+    orig_argv = sys.orig_argv if orig_argv is None else orig_argv  # have no argv
     if argv[:1] != ["-m"] or "-m" not in orig_argv[:-1]:
         return None
     return orig_argv[orig_argv.index("-m") + 1]

@@ -66,7 +66,6 @@ def test_a_script_restarts_exactly_once_with_its_arguments(tmp_path):
     assert out.returncode == 1 and out.stdout.splitlines() == ["start None"]  # KeyError: no restart
 
 
-
 def test_starting_module_is_the_m_target_only_while_python_locates_it():
     assert hugepages.starting_module(["-m"], ["python", "-X", "importtime", "-m", "jaxlm.generate",
                                               "--model=m"]) == "jaxlm.generate"
