@@ -33,6 +33,20 @@ def test_products_multiply_in_the_first_operands_dtype():
                                                preferred_element_type=jnp.float32), rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_times_t_multiplies_b_in_place_without_amx(amx, dtype):
+    """a @ b^T as float32: b contracted on its own last axis, no copy of it (the product's
+    operands as they are), except a narrow b with AMX, written out transposed first."""
+    a, b = (x.astype(dtype) for x in narrow((8, 64), (48, 64)))
+    got = jax.jit(cpu_forms.times_t)(a, b)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, np.float32(a) @ np.float32(b).T, rtol=1e-5, atol=1e-4)
+    hlo = jax.jit(cpu_forms.times_t).lower(a, b).compile().as_text()
+    copied = any("[64,48]" in line.split(" = ", 1)[1].split("{", 1)[0] for line in hlo.splitlines()
+                 if " = " in line and "parameter(" not in line)
+    assert copied == (amx and dtype == jnp.bfloat16), hlo
+
+
 @pytest.mark.parametrize("dtype,bits", [(jnp.bfloat16, "uint16"), (jnp.float32, "uint32"),
                                         (jnp.int8, "uint8")])
 def test_bits_type_is_as_wide_as_the_dtype(dtype, bits):

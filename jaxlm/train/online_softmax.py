@@ -115,14 +115,11 @@ def softmax_sums(x, emb, columns, y, w, view, gradient=True):
     v, hidden = emb.shape
     parts, rows = _slices(emb)
     size = v // parts
-    narrow = jnp.dtype(emb.dtype).itemsize < 4
 
     def logits_of(i, part):  # x @ part^T [N, size], in the form XLA:CPU multiplies fast
         if columns is not None:
             return jnp.dot(x, cpu_forms.bits_slice(columns, i, size, 1), preferred_element_type=jnp.float32)
-        if narrow:
-            return jnp.dot(x, cpu_forms.transposed(part), preferred_element_type=jnp.float32)
-        return jax.lax.dot_general(x, part, (((1,), (1,)), ((), ())))  # float32: any layout
+        return cpu_forms.times_t(x, part)
 
     def body(i, carry):
         m, z, first, p_y, total = carry
