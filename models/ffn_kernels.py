@@ -9,8 +9,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from models import cpu_forms, layers, train_layout
-from models.cpu_forms import bits_slice, product, row_major_t
+from models import layers, train_layout
+from models.cpu_forms import bits_slice, product, row_major_t, times_t
 from models.kernels import by_platform, narrow_by_platform, slices
 
 
@@ -53,6 +53,12 @@ def _cpu_gated_ffn(x, w_gate, w_up, w_down):
     too): the real Gemma 3 270M's bfloat16 full fine-tune step at 8 x 128 went from ~7.6 to ~6.45
     s, its FFN products from 1.5 to 0.6 s (an A/B and a profile, ad hoc; the bench line is
     `BENCH real_bf16_train_full_t128`, bench/README.md).
+
+    The input gradient multiplies each kernel slice transposed (`cpu_forms.times_t`): in place
+    on a CPU without AMX, where the copies written out for it had cost Gemma 2B's bfloat16 LoRA
+    step at 2 x 128 tokens 6-7 s of ~16 (a 2-core AMD EPYC; its FFN forward + input gradient at
+    256 tokens 724 -> ~325 ms a layer, at 80 tokens -> ~115; the 270M's at 1024 tokens the
+    same, ad hoc; bench/README.md).
     """
     return _ffn_forward(x, w_gate, w_up, w_down)[0]
 
@@ -89,60 +95,18 @@ def _cpu_gated_ffn_fwd(x, w_gate, w_up, w_down):
 
 def _ffn_slice_backward(x, w_gate, w_up, w_down, gate, up, d_out):
     """One slice's float32 d_x and, given x, its kernels' gradients (else None)."""
-    d_hidden = jnp.dot(d_out, row_major_t(w_down), preferred_element_type=jnp.float32)
+    d_hidden = times_t(d_out, w_down)
     d_gate, d_up, act = _geglu_backward(gate, up, d_hidden)
-    d_x = (jnp.dot(d_gate, row_major_t(w_gate), preferred_element_type=jnp.float32)
-           + jnp.dot(d_up, row_major_t(w_up), preferred_element_type=jnp.float32))
+    d_x = times_t(d_gate, w_gate) + times_t(d_up, w_up)
     if x is None:
         return d_x, None
     x_t = row_major_t(x)
     return d_x, (product(x_t, d_gate), product(x_t, d_up), product(row_major_t(d_out), act).T)
 
 
-def weights_first(tokens: int, hidden: int, dtype) -> bool:
-    """Whether a frozen FFN's backward multiplies with the weights first (`_frozen_backward_t`):
-    narrow, on a CPU without AMX, for fewer tokens than the hidden size.
-
-    Each input-gradient product needs one operand written out transposed. Transposing the
-    kernels (F x H each, three a layer) costs more than transposing the activations (the
-    saved gate and up, N x F) when N < H. Gemma 2B's bfloat16 FFN at 256 tokens, forward and
-    input gradient (a 2-core AMD EPYC): 724 -> ~380 ms a layer; the LoRA step at 2 x 128
-    16.3 -> 10.9 s (`python bench/profile_step.py --preset=gemma_2b_en --batch=2`, huge
-    pages), train.py's 2B LoRA command (its rows fit 2 x 40 tokens) 11.4 -> 5.4 s a step
-    (bench/README.md). The Gemma 3 270M at 1024 tokens (N > H) keeps the kernels' transposes:
-    57 against 81 ms with the weights first (ad hoc). With AMX the products with the weight
-    first were measured slower (unmeasured at these shapes): unchanged there."""
-    return jnp.dtype(dtype) != jnp.float32 and tokens < hidden and not cpu_forms.amx()
-
-
-def _frozen_backward_t(w_gate, w_up, w_down, gate, up, d_out):
-    """d_x [N, H] of frozen kernels, computed transposed: d_x^T = W_gate @ d_gate^T + W_up @
-    d_up^T, d_hidden^T = W_down @ d_out^T, the GeGLU's backward on [F, N] blocks. The kernels
-    are multiplied as stored; only d_out, the saved gate and up and d_x are transposed."""
-    d_out_t = cpu_forms.transposed(d_out)  # [H, N]
-    n = gate.shape[0]
-
-    def one(w_gate, w_up, w_down, gate, up):  # -> float32 [H, N]
-        d_hidden_t = jnp.dot(w_down, d_out_t, preferred_element_type=jnp.float32)  # [F / n, N]
-        d_gate_t, d_up_t, _ = _geglu_backward(cpu_forms.transposed(gate), cpu_forms.transposed(up),
-                                              d_hidden_t)
-        return (jnp.dot(w_gate, d_gate_t, preferred_element_type=jnp.float32)
-                + jnp.dot(w_up, d_up_t, preferred_element_type=jnp.float32))
-    if n == 1:
-        d_x_t = one(w_gate, w_up, w_down, gate[0], up[0])
-    else:
-        def body(d_x_t, xs):
-            i, g, u = xs
-            return d_x_t + one(*_ffn_slices(w_gate, w_up, w_down, i, n), g, u), None
-        d_x_t, _ = jax.lax.scan(body, jnp.zeros(d_out_t.shape, jnp.float32), (jnp.arange(n), gate, up))
-    return d_x_t.T.astype(d_out.dtype)
-
-
 def _cpu_gated_ffn_bwd(residuals, d_out):
     x, w_gate, w_up, w_down, gate, up = residuals
     n = gate.shape[0]
-    if x is None and weights_first(d_out.shape[0], d_out.shape[1], w_gate.dtype):
-        return _frozen_backward_t(w_gate, w_up, w_down, gate, up, d_out), None, None, None
     if n == 1:
         d_x, grads = _ffn_slice_backward(x, w_gate, w_up, w_down, gate[0], up[0], d_out)
         return (d_x.astype(d_out.dtype), *(grads or (None,) * 3))
