@@ -44,7 +44,7 @@ Ends with
     BENCH real_memory_<full|lora> jaxlm_gib=<x> jaxlm_delta_gib=<x> hf_gib=... keras_gib=... unit=peak_rss_gib method=subprocess
     BENCH real_peak gflops=<measured matmul peak> dtype=<--dtype>
 and with `--dtype=bfloat16` (every framework's weights and compute in bfloat16, LoRA factors
-float32; the LoRA step through the CPU train layout) the same lines as `BENCH real_bf16_...`,
+float32; the LoRA step as train.py takes it, through the CPU train layout with AMX) the same lines as `BENCH real_bf16_...`,
 MFU over the bfloat16 peak. jaxlm's layers are as train.py builds the step
 (`jaxlm.train.trainer.training_model`, `--layers=train`): on CPU unrolled;
 `--layers=scan|unrolled` forces one form.

@@ -4,7 +4,7 @@
                                          scored,train_layout,unmerged,attention,hidden,online,screen]
                                  [--batch=8] [--dtype=float32]
                                  [--seq=40] [--rounds=3] [--decode_batches=4,8,16,40]
-                                 [--new_tokens=48] [--tiny]
+                                 [--new_tokens=48] [--tiny] [--preset=NAME]
 
   mesh    the demo's `--mesh=1x8` on 8 simulated devices vs one device (and the collectives
           of each compiled step), unrolled layers as train.py runs LoRA on CPU
@@ -22,10 +22,12 @@
           partitioner alone); every other A/B uses the rules where train.py does
           (`jaxlm.train.trainer.activation_rules`: not with the layer scan on CPU)
   train_layout  the LoRA step in bfloat16 (`jaxlm.load(GGUF, "bfloat16")`, unrolled layers as
-          train.py) on one device with the CPU train layout (`models.train_layout`) vs without
-  unmerged  the LoRA step in float32 (unrolled layers as train.py) on one device with the
-          adapters unmerged beside the stored kernels, as train.py runs it
-          (`jaxlm.train.trainer.train_layout_of`), vs merged into them
+          train.py) on one device with the CPU train layout (`models.train_layout`) vs the
+          adapters unmerged beside the stored kernels without it vs merged into them
+  unmerged  the LoRA step (float32 unless --dtype; unrolled layers as train.py) on one device
+          with the adapters unmerged beside the stored kernels, as train.py runs it
+          (`jaxlm.train.trainer.train_layout_of`; with a layout where it builds one), vs
+          merged into them
   attention  the same bfloat16 LoRA step, with the train layout, with the CPU attention kernel
           (`models.kernels.causal_attention`: every product in the fast form, blocks of
           CPU_QUERY_BLOCK rows) vs the plain attention (`layers.softmax_attention`, blocks of
@@ -52,7 +54,8 @@ Float32 (train_layout, attention: bfloat16), LoRA rank 4, AdamW (the trainer's o
 by default. Each variant is compiled first; then they take turns, 3 steps a turn with the
 first dropped, `--rounds` times; the best and the median are printed. Interleaving puts a
 shared machine's drift on every variant alike; the ratios are the result, not the ms.
-`--tiny` runs a tiny random Gemma 3 (a smoke run).
+`--tiny` runs a tiny random Gemma 3 (a smoke run); `--preset=NAME` a built-in architecture with
+random weights (e.g. `gemma_2b_en --dtype=bfloat16 --batch=2 --seq=128 --what=unmerged`).
 
 Ends with one line per A/B:
     BENCH real_ab_<what> <variant>_ms=<best> ... unit=ms
@@ -61,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -86,6 +90,7 @@ from bench.real_frameworks import as_trained  # noqa: E402
 from jaxlm.train import aot, optim, trainer  # noqa: E402
 from jaxlm.tree import flatten, unflatten  # noqa: E402
 from jaxlm.train import loss as L  # noqa: E402
+from models import train_layout as train_layout_lib  # noqa: E402
 from models.gemma import Gemma, PRESETS  # noqa: E402
 
 
@@ -228,10 +233,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--decode_batches", default="4,8,16,40", help="--what=layout/screen's batches")
     p.add_argument("--new_tokens", type=int, default=48, help="--what=layout/screen's new tokens")
-    p.add_argument("--dtype", default="float32", help="--what=hidden's model dtype")
+    p.add_argument("--dtype", default="float32", help="--what=hidden/online/unmerged's model dtype")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--preset", default=None, help="a built-in preset (random weights) instead of the demo's")
     args = p.parse_args(argv)
-    source = model_source(args.tiny)
+    source = args.preset or model_source(args.tiny)
     one = sharding.make_mesh("1x1", jax.devices()[:1])
     lines = []
     for what in args.what.split(","):
@@ -292,9 +298,11 @@ def main(argv=None) -> int:
                 run, info[name] = lora_step(model, params, mesh, args.batch, args.seq, activations=on)
                 runs[name] = stepper(run)
         elif what in ("train_layout", "unmerged"):
-            model, params, laid = laid_out(source, "bfloat16" if what == "train_layout" else "float32")
-            for name, tl in zip(("laid", "plain") if what == "train_layout" else ("unmerged", "merged"),
-                                (laid, None)):
+            model, params, laid = laid_out(source, "bfloat16" if what == "train_layout" else args.dtype)
+            build = functools.partial(train_layout_lib.build, model)  # whether or not it pays here
+            variants = ({"laid": build, "unmerged": lambda base: None, "plain": None} if what == "train_layout"
+                        else {"unmerged": laid, "merged": None})
+            for name, tl in variants.items():
                 run, info[name] = lora_step(model, params, one, args.batch, args.seq, train_layout=tl)
                 runs[name] = stepper(run)
         elif what == "attention":

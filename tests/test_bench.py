@@ -178,8 +178,8 @@ def test_real_model_bench_runs_all_three_frameworks_on_a_tiny_gemma3():
 
 
 def test_real_model_bench_runs_in_bfloat16_with_the_train_layout():
-    """--dtype=bfloat16: every framework in bfloat16, jaxlm's LoRA step through the CPU train
-    layout, the lines named real_bf16_..."""
+    """--dtype=bfloat16: every framework in bfloat16, jaxlm's LoRA step as train.py takes it
+    (through the CPU train layout on a CPU with AMX), the lines named real_bf16_..."""
     out, lines = run_bench("real_model.py", "--tiny", "--quick", "--dtype=bfloat16", "--modes=lora",
                            "--seqs=16", "--batches=2", "--decode_batches=2", "--memory=off",
                            "--torch_threads=1")

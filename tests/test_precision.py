@@ -16,6 +16,7 @@ import pytest
 import jaxlm
 import sharding
 from jaxlm import data, precision
+from models import cpu_forms, train_layout
 from jaxlm.errors import UserError
 from jaxlm.train import loss as L, optim, trainer
 from test_train_cli import finished, launch
@@ -193,9 +194,11 @@ def _lora_losses(policy, laid: bool, steps=4):
     return frozen[1] if laid else None, losses
 
 
-def test_bfloat16_lora_on_cpu_trains_through_the_layout_as_without_it():
-    """The trainer builds the CPU train layout for a bfloat16 LoRA step and its steps on the
-    1x8 mesh lose as the plain ones do; float32 gets none (no fast form to gain there)."""
+def test_bfloat16_lora_on_cpu_trains_through_the_layout_as_without_it(monkeypatch):
+    """The trainer builds the CPU train layout for a bfloat16 LoRA step (on a CPU with AMX)
+    and its steps on the 1x8 mesh lose as the plain ones do; float32 gets none (no fast form
+    to gain there)."""
+    monkeypatch.setattr(cpu_forms, "amx", lambda: True)
     policy = precision.resolve(compute_dtype="bfloat16", platform="cpu")
     layout, laid = _lora_losses(policy, laid=True)
     assert layout is not None and "columns" in layout["token_embedding"]
@@ -207,6 +210,27 @@ def test_bfloat16_lora_on_cpu_trains_through_the_layout_as_without_it():
     narrow = type(model)(model.config.replace(dtype="bfloat16"))
     assert trainer.train_layout_of(narrow, params, lora=False, platform="cpu") is None
     assert trainer.train_layout_of(narrow, params, lora=True, platform="tpu") is None
+
+
+def test_a_narrow_base_too_large_for_the_layout_keeps_the_adapters_unmerged(monkeypatch):
+    """A bfloat16 base whose layout would not fit (Gemma 2B's) trains without one, its factors
+    beside the stored kernels (`train_layout.stored_product`): no merged kernel, no gradient
+    for it; on the 1x8 mesh it loses as the merged step does, to bfloat16's rounding."""
+    monkeypatch.setattr(train_layout, "MAX_BYTES", 1)
+    calls, stored = [], train_layout.stored_product
+    monkeypatch.setattr(train_layout, "stored_product", lambda x, w: calls.append(w.shape) or stored(x, w))
+    policy = precision.resolve(compute_dtype="bfloat16", platform="cpu")
+    model, params = jaxlm.load("gemma_tiny")
+    narrow = trainer.training_model(type(model)(model.config.replace(dtype="bfloat16")), platform="cpu")
+    assert trainer.train_layout_of(narrow, params, lora=True, platform="cpu")(params) is None
+    layout, beside = _lora_losses(policy, laid=True)
+    cfg = model.config
+    query, value = (cfg.hidden_dim, cfg.num_heads * cfg.head_dim), (cfg.hidden_dim, cfg.num_kv_heads * cfg.head_dim)
+    assert layout is None and set(calls) == {query, value}  # the adapted kernels, as stored
+    _, merged = _lora_losses(policy, laid=False)
+    print(f"gemma_tiny bfloat16 LoRA losses: unmerged without a layout {beside}, merged {merged}")
+    np.testing.assert_allclose(beside, merged, rtol=2e-3)
+    assert beside[-1] < beside[0]
 
 
 def test_float32_lora_on_cpu_keeps_the_adapters_unmerged_as_merged():
@@ -229,10 +253,11 @@ def test_float32_lora_on_cpu_keeps_the_adapters_unmerged_as_merged():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_cpu_step_compile_only_measures_is_the_one_train_py_runs(dtype):
+def test_the_cpu_step_compile_only_measures_is_the_one_train_py_runs(dtype, amx):
     """`aot.abstract_trainer` on a CPU mesh (`--compile_only=cpu`, bench/memory.py) builds a
-    LoRA step as train.py does: through the train layout in bfloat16 (its copies among the
-    compiled arguments), the adapters unmerged in float32, merged with a layer scan."""
+    LoRA step as train.py does: through the train layout in bfloat16 on a CPU with AMX (its
+    copies among the compiled arguments), else the adapters unmerged beside the stored
+    kernels, merged with a layer scan."""
     from jaxlm.train import aot
     from models import train_layout
     model, params = jaxlm.load("gemma_tiny", dtype, abstract=True)
@@ -243,7 +268,8 @@ def test_the_cpu_step_compile_only_measures_is_the_one_train_py_runs(dtype):
     built = aot.abstract_trainer(model, params, mesh, lora_rank=4)
     base, laid = built.step_frozen(built.frozen)
     assert base is built.frozen
-    if dtype == "float32":
+    laid_out = dtype == "bfloat16" and amx
+    if not laid_out:
         assert laid is None
     else:
         want = jax.eval_shape(lambda p: train_layout.build(model, p), params)
@@ -259,7 +285,7 @@ def test_the_cpu_step_compile_only_measures_is_the_one_train_py_runs(dtype):
     print(f"{dtype}: layout {report.layout} bytes a device of {held}; base kernels the step "
           f"drops {dropped}; arguments beyond the rows {extra}")
     assert 0 <= extra < 1024  # the table's rows are what the run holds: the step's arguments
-    if dtype == "bfloat16":  # at least a device's share of the copies, whose kernels it drops
+    if laid_out:  # at least a device's share of the copies, whose kernels it drops
         assert held >= report.layout >= held / 8 > 0 and dropped > 0
         assert "train layout (copies)" in report.table()
     else:

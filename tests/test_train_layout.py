@@ -162,9 +162,9 @@ def test_unmerged_adapters_never_go_unused():
     assert abs(float(unadapted) - float(whole)) > 1e-3 * abs(float(whole))
 
 
-def test_the_train_layout_is_for_narrow_small_bases_on_cpu_only():
+def test_the_train_layout_is_for_narrow_small_bases_on_cpus_with_amx_only(amx):
     most = train_layout.MAX_BYTES
-    assert train_layout.pays("cpu", jnp.bfloat16, most)
+    assert train_layout.pays("cpu", jnp.bfloat16, most) == amx  # without AMX: W^T in place
     assert not train_layout.pays("cpu", jnp.float32, 1)  # float32 has no fast form to gain
     assert not train_layout.pays("cpu", jnp.bfloat16, most + 1)  # Gemma 2B: 5 GB more
     assert not train_layout.pays("tpu", jnp.bfloat16, 1)

@@ -74,14 +74,17 @@ def training_model(model, *, platform: str, remat: bool = False, attention: str 
 
 def train_layout_of(model, params, *, lora: bool, platform: str) -> Callable | None:
     """How a LoRA step of `model` (as `training_model` returns it) on `platform` takes its base
-    `params`. None: the step merges the adapters into it (TPU, GPU, RoBERTa, a narrow base
-    too large for the layout). Otherwise, on CPU, a Gemma step keeps them unmerged beside its
-    products, and this returns base -> its train layout, `build`'s, where that pays
-    (`models.train_layout.pays`: a narrow compute dtype, a base whose copies fit; the Gemma 3
-    270M's bfloat16 LoRA step 1.8x faster on a 2-core AMX-BF16 host, bench/README.md), or in
-    float32 base -> None: the stored kernels as they are with the factors beside, so the step
-    computes no gradient for a targeted kernel (the 270M's float32 step at 8 x 128 tokens
-    3-4% faster, bench/README.md). A layer scan merges: its blocks see only their params."""
+    `params`. None: the step merges the adapters into it (TPU, GPU, RoBERTa). Otherwise, on
+    CPU, a Gemma step keeps them unmerged beside its products, and this returns base -> its
+    train layout, `build`'s, where that pays (`models.train_layout.pays`: a narrow compute
+    dtype, a base whose copies fit; the Gemma 3 270M's bfloat16 LoRA step 1.8x faster on a
+    2-core AMX-BF16 host, bench/README.md), else base -> None: the stored kernels as they are
+    with the factors beside (narrow ones through `train_layout.stored_product`), so the step
+    computes no gradient for a targeted kernel (the 270M's float32 step at 8 x 128 tokens 3-4%
+    faster; Gemma 2B's bfloat16 step at 2 x 128 on a 2-core AMD EPYC 8951 -> 8547 ms, best of
+    6, `python bench/real_step_ab.py --what=unmerged --preset=gemma_2b_en --dtype=bfloat16
+    --batch=2 --seq=128`; bench/README.md). A layer scan merges: its blocks see only their
+    params."""
     if (not lora or getattr(model.config, "family", None) != "gemma" or platform != "cpu"
             or getattr(model.config, "scan_layers", False)):
         return None
@@ -89,7 +92,7 @@ def train_layout_of(model, params, *, lora: bool, platform: str) -> Callable | N
     nbytes = sum(x.size for x in jax.tree.leaves(params)) * jnp.dtype(dtype).itemsize
     if layout_lib.pays(platform, dtype, nbytes):
         return functools.partial(layout_lib.build, model)
-    return (lambda base: None) if jnp.dtype(dtype) == jnp.float32 else None
+    return lambda base: None
 
 
 def activation_rules(model, layout: str | None, platform: str) -> dict:
