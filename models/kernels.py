@@ -35,7 +35,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from models import layers, train_layout
 from models.cpu_forms import (batched_product, bits_slice, loop_slice, product, row_major,
-                              row_major_t, transposed)
+                              row_major_t, times_t, transposed)
 
 
 def by_platform(*args, cpu, plain):
@@ -200,7 +200,7 @@ def _cpu_projection_bwd(ins, outs, residuals, d_y):
     if isinstance(d_y, SymbolicZero):
         return None, None
     d_y = d_y.astype(kernel.dtype)
-    d_x = product(d_y, _matrix(kernel, outs, ins))
+    d_x = times_t(d_y, _matrix(kernel, ins, outs)).astype(kernel.dtype)  # W^T in place without AMX
     if x is None:
         return d_x, None
     d_w = product(row_major_t(x), d_y).reshape(*(kernel.shape[i] for i in ins + outs))

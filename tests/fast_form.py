@@ -46,3 +46,14 @@ def buffers(hlo: str) -> set[str]:
         elif " = " in line and not inside:
             shapes.add(line.split(" = ", 1)[1].split("{", 1)[0].split(" ", 1)[0])
     return shapes
+
+
+def transposed_sizes(jaxpr) -> list[int]:
+    """The element counts of every array a jaxpr (its loops' bodies included) transposes."""
+    sizes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "transpose":
+            sizes.append(eqn.invars[0].aval.size)
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            sizes += transposed_sizes(sub)
+    return sizes

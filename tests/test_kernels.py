@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from fast_form import NARROW_KERNEL_CHOICES, dot_operand_types, narrow
+from fast_form import NARROW_KERNEL_CHOICES, dot_operand_types, narrow, transposed_sizes
 from models import ffn_kernels, kernels, layers
 from models.gemma import PRESETS, Gemma
 
@@ -90,17 +90,6 @@ def test_narrow_ffn_kernels_go_a_slice_at_a_time_with_the_same_values_and_gradie
     close(d_x, jax.grad(lambda x: layers.gated_ffn(x, *wide[1:4]).sum())(wide[0]))
 
 
-def _transposed_sizes(jaxpr) -> list[int]:
-    """The element counts of every array a jaxpr (its loops' bodies included) transposes."""
-    sizes = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "transpose":
-            sizes.append(eqn.invars[0].aval.size)
-        for sub in jax.core.jaxprs_in_params(eqn.params):
-            sizes += _transposed_sizes(sub)
-    return sizes
-
-
 @pytest.mark.parametrize("slice_bytes", [None, 4 * 32 * 16])
 def test_the_bfloat16_ffn_input_gradient_multiplies_its_kernels_in_place_without_amx(monkeypatch, amx, slice_bytes):
     """Without AMX the backward multiplies each kernel (or slice of F) transposed in place and
@@ -114,7 +103,7 @@ def test_the_bfloat16_ffn_input_gradient_multiplies_its_kernels_in_place_without
     def d_x(x, *ws):
         return jax.vjp(lambda x: ffn_kernels._cpu_gated_ffn(x, *ws), x)[1](d_out)[0]
     kernel = 32 * 64 // kernels.slices(32, 64, jnp.bfloat16)  # elements of a kernel (slice)
-    transposed = _transposed_sizes(jax.make_jaxpr(d_x)(x, w_gate, w_up, w_down).jaxpr)
+    transposed = transposed_sizes(jax.make_jaxpr(d_x)(x, w_gate, w_up, w_down).jaxpr)
     assert (kernel in transposed) == amx, transposed
     types = dot_operand_types(jax.jit(d_x).lower(x, w_gate, w_up, w_down).compile().as_text())
     assert len(types) >= 6 and set(types) == {"bf16"}

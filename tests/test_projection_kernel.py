@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fast_form import NARROW_KERNEL_CHOICES, dot_operand_types, narrow
-from models import kernels
+from fast_form import NARROW_KERNEL_CHOICES, dot_operand_types, narrow, transposed_sizes
+from models import cpu_forms, kernels
 from models.gemma import PRESETS, Gemma
 
 # (einsum, x's shape, the kernel's): the query/key/value projections and the output's
@@ -49,6 +49,22 @@ def test_a_frozen_projection_kernel_gets_no_gradient_work(eq, x_shape, kernel_sh
     assert frozen.count("dot_general[") == 2 and trained.count("dot_general[") == 3
     np.testing.assert_allclose(jax.grad(loss)(x, kernel),
                                jax.grad(lambda x, k: _plain(eq)(x, k).sum())(x, kernel), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("eq, x_shape, kernel_shape", PROJECTIONS)
+def test_a_frozen_bfloat16_projection_multiplies_its_matrix_transposed_in_place_without_amx(
+        monkeypatch, eq, x_shape, kernel_shape):
+    """d_x = d_y @ W^T with W the forward's matrix: without AMX multiplied in place, so the
+    only kernel-sized transposes are those that make W (the query's [N, H, D] needs one, for
+    the forward and again for the backward); with AMX W^T is written out as well."""
+    x, kernel = narrow(x_shape, kernel_shape)
+    counts = {}
+    for amx in (False, True):
+        monkeypatch.setattr(cpu_forms, "amx", lambda amx=amx: amx)
+        d_x = jax.grad(lambda x: _ours(eq)(x, kernel).astype(jnp.float32).sum())
+        counts[amx] = transposed_sizes(jax.make_jaxpr(d_x)(x).jaxpr).count(kernel.size)
+    assert counts[False] == (0 if eq.startswith("BTND") else 2)  # the output's [N, D, H] reshapes as it is
+    assert counts[True] == counts[False] + 1
 
 
 @pytest.mark.parametrize("eq, x_shape, kernel_shape", PROJECTIONS)
