@@ -176,13 +176,20 @@ def matmul_rows(rows, x):
     12.9 ms; the 270M's bfloat16 batch-1 generate call, 32 + 64 tokens, 3.00 -> 1.92 s), and
     a float32 row as rows @ x^T, XLA's matrix-vector dot (in the float32 batch-1 call the
     loop read the table in ~36 ms a step and each block kernel in ~0.65 ms, the dot in ~25
-    and ~0.30: 4.62 -> 3.30 s a call, 72 -> 52 ms a step; ad hoc, interleaved, best of 3)."""
+    and ~0.30: 4.62 -> 3.30 s a call, 72 -> 52 ms a step; ad hoc, interleaved, best of 3).
+
+    Several narrow rows without AMX are x @ rows^T with the rows in place
+    (`cpu_forms.times_t`): the bfloat16 table at batch 2 / 4 / 8 18.7 / 21.4 / 23.9 ms
+    against 28.5 / 27.4 / 30.4 as rows @ x^T (the EPYC, medians of 9, ad hoc); in float32
+    that form was slower (38-51 against 24-29 ms)."""
     narrow = jnp.dtype(rows.dtype) != jnp.float32
     if x.shape[0] == 1 and not cpu_forms.amx():
         rows, x = jax.lax.optimization_barrier((rows, x))
         return jnp.dot(x[0], rows.T, preferred_element_type=jnp.float32)[None].astype(x.dtype)
     if not narrow:
         return jax.lax.optimization_barrier(rows @ x.T).T
+    if not cpu_forms.amx():
+        return cpu_forms.times_t(x, rows).astype(x.dtype)
     return narrow_rows(rows, x).astype(x.dtype)
 
 
