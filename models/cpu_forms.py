@@ -8,7 +8,9 @@ are written out row-major behind a barrier (`transposed`, `row_major`). It also 
 bfloat16 dynamic slice or update, and widens the whole array for one: narrow data moves as
 same-width unsigned integers (`bits_type`, `bits_slice`, `loop_slice`, `bits_take`).
 
-How fast that form runs a product of a few rows depends on the CPU (`amx`).
+How fast that form runs a product of a few rows depends on the CPU (`amx`). So does the form
+itself: without AMX, XLA:CPU multiplies a narrow [N, K] @ [M, K]^T with the second operand in
+place as fast, so a weight needs no transposed copy there (`times_t`).
 
 The kernels in models/kernels.py and models/decode_kernels.py and the loss
 (jaxlm/train/loss.py) are written with these; the tests there check that their compiled
