@@ -29,8 +29,7 @@ multiply a new kernel every step in the slow form (about 400 ms of a 3 s step fo
 query and value kernels), and a bfloat16 merge rounds away a small update A @ B.
 
 Without a layout (float32, which has no fast form to gain; a narrow base too large for the
-copies, or on a CPU without AMX, where `stored_product` multiplies the stored kernels both
-ways) the factors stay unmerged all the same: an adapted product is the stored kernel's
+copies, or on a CPU without AMX, where `product` multiplies the stored kernels both ways) the factors stay unmerged all the same: an adapted product is the stored kernel's
 product plus the low-rank term, so the step computes no gradient for a merged kernel (the
 270M's float32 LoRA step at 8 x 128 tokens 3-4% faster than merged, Gemma 2B's bfloat16 one
 4-6%, bench/README.md). The low-rank term's backward (`_factored`)
@@ -58,7 +57,7 @@ def pays(platform: str, dtype, nbytes: int) -> bool:
     on a CPU with AMX, for a base narrower than float32 whose copies fit MAX_BYTES.
 
     Without AMX, XLA:CPU multiplies a narrow dy @ W^T with W in place (`cpu_forms.times_t`),
-    so the stored kernels serve both products (`stored_product`): the real Gemma 3 270M's
+    so the stored kernels serve both products (`product` without a layout): the real Gemma 3 270M's
     bfloat16 LoRA step at 8 x 128 tokens on a 2-core AMD EPYC took 3328 ms with the layout
     and 3328 without (medians 3371 / 3413; merged 3419 / 3503), and the layout held 0.50 GiB
     more (`python bench/real_step_ab.py --what=train_layout --batch=8 --seq=128`,
@@ -113,17 +112,11 @@ def _intercept(next_fun, args, kwargs, context, scale=1.0):
     if eq is None:
         return next_fun(*args, **kwargs)
     lora = module.has_variable(LORA, "lora_a")
-    ins, outs = axes(eq)
-    n_in = len(ins)
-    if not holds(module):  # no layout passed: the stored kernel, the factors beside
-        if not lora or jnp.dtype(module.dtype) == jnp.float32:
-            y = next_fun(*args, **kwargs)
-        else:  # narrow: as written, XLA:CPU would multiply it (and its gradient) in float32
-            flat = x.reshape(-1, math.prod(x.shape[-n_in:])).astype(module.dtype)
-            y = stored_product(flat, matrix(next_fun(None), ins, outs))
-            y = y.reshape(*x.shape[:-n_in], *(module.shape[i] for i in outs))
+    if not holds(module) and (not lora or jnp.dtype(module.dtype) == jnp.float32):
+        y = next_fun(*args, **kwargs)  # as written, the factors (if any) beside
         return y + _adapted(module, eq, x, scale) if lora else y
     kernel = next_fun(None)
+    ins, outs = axes(eq)
     if module.is_mutable_collection(COLLECTION):  # building: each form not the stored kernel
         for name, (rows, cols) in (("forward", (ins, outs)), ("backward", (outs, ins))):
             if rows + cols != sorted(rows + cols):
@@ -133,8 +126,12 @@ def _intercept(next_fun, args, kwargs, context, scale=1.0):
         if module.has_variable(COLLECTION, name):
             return module.get_variable(COLLECTION, name)
         return matrix(kernel, rows, cols)
+    # A narrow kernel without a layout (too large a base, or no AMX): as written, XLA:CPU would
+    # multiply it and its gradient in float32; `product` takes its backward from the forward.
+    backward = form("backward", outs, ins) if holds(module) else None
+    n_in = len(ins)
     flat = x.reshape(-1, math.prod(x.shape[-n_in:])).astype(module.dtype)
-    y = product(flat, form("forward", ins, outs), form("backward", outs, ins))
+    y = product(flat, form("forward", ins, outs), backward)
     y = y.reshape(*x.shape[:-n_in], *(module.shape[i] for i in outs))
     return y + _adapted(module, eq, x, scale) if lora else y
 
@@ -208,43 +205,27 @@ def products(scale: float = 1.0):
 
 
 @jax.custom_vjp
-def product(x, forward, backward):
+def product(x, forward, backward=None):
     """x [N, I] @ forward [I, O] -> [N, O] in x's dtype, its input gradient dy @ backward
-    [O, I]: both products in the fast form, no gradient for the (frozen) weights."""
+    [O, I], both in the fast form, no gradient for the (frozen) weights. Without a layout
+    (backward None) the input gradient is dy @ forward^T as `cpu_forms.times_t` takes it
+    (forward in place on a CPU without AMX)."""
     return cpu_forms.product(x, forward)
 
 
 def _laid_fwd(x, forward, backward):
-    x, forward, backward = x.value, forward.value, backward.value
-    return product(x, forward, backward), backward
+    forward = forward.value
+    backward = None if backward is None else backward.value
+    return product(x.value, forward, backward), (forward, backward)
 
 
-def _laid_bwd(backward, dy):
+def _laid_bwd(weights, dy):
     if isinstance(dy, SymbolicZero):
         return None, None, None
+    forward, backward = weights
+    if backward is None:
+        return cpu_forms.times_t(dy.astype(forward.dtype), forward).astype(dy.dtype), None, None
     return cpu_forms.product(dy.astype(backward.dtype), backward).astype(dy.dtype), None, None
 
 
 product.defvjp(_laid_fwd, _laid_bwd, symbolic_zeros=True)
-
-
-@jax.custom_vjp
-def stored_product(x, w):
-    """x [N, I] @ w [I, O] -> [N, O] in x's dtype for a frozen stored kernel without a layout:
-    the forward in the fast form, the input gradient dy @ w^T as `cpu_forms.times_t` takes it
-    (w in place on a CPU without AMX), no gradient for w."""
-    return cpu_forms.product(x, w)
-
-
-def _stored_fwd(x, w):
-    x, w = x.value, w.value
-    return stored_product(x, w), w
-
-
-def _stored_bwd(w, dy):
-    if isinstance(dy, SymbolicZero):
-        return None, None
-    return cpu_forms.times_t(dy.astype(w.dtype), w).astype(dy.dtype), None
-
-
-stored_product.defvjp(_stored_fwd, _stored_bwd, symbolic_zeros=True)
