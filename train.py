@@ -14,7 +14,7 @@ def _flag(argv, name):
     for i, arg in enumerate(argv):
         if arg.startswith(f"--{name}="):
             return arg.split("=", 1)[1]
-        if arg == f"--{name}" and i + 1 < len(argv):
+        if arg == f"--{name}" and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             return argv[i + 1]
     return None
 
@@ -62,14 +62,16 @@ def start_processes(argv):
 
 def prepare(argv) -> None:
     """Before jax starts its backends: the platform, and the simulated devices a CPU mesh
-    needs (jax is imported by then, through the jaxlm package, but reads both later)."""
-    from jaxlm import machine
+    needs (jax is imported by then, through the jaxlm package, but reads both later); and the
+    compile cache (`jaxlm.compile_cache`)."""
+    from jaxlm import compile_cache, machine
     from jaxlm.errors import cli
 
     @cli
     def prepare_(argv):
         machine.quiet_without_tpu()
         simulate_cpu_devices(argv)
+        compile_cache.enable(_flag(argv, "compile_cache"))
     prepare_(argv)
 
 

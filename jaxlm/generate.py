@@ -150,11 +150,15 @@ def main(argv=None) -> None:
                         help="an int for the batch, or one per prompt (comma-separated)")
     parser.add_argument("--strip_prompt", action="store_true", help="print the completion only")
     parser.add_argument("--no_stop", action="store_true", help="do not stop at EOS")
+    parser.add_argument("--compile_cache", help="folder where XLA's compiled programs are kept "
+                        "for the next run (default $JAXLM_COMPILE_CACHE, else ~/.cache/jaxlm/xla; "
+                        "empty: off)")
     args = parser.parse_args(argv)
 
     from jaxlm.loading import load, load_tokenizer
-    from jaxlm import machine, sampling
+    from jaxlm import compile_cache, machine, sampling
     machine.quiet_without_tpu()
+    compile_cache.enable(args.compile_cache)
     prompts = _read_prompts(args)
     sampler = sampling.resolve(args.sampler)  # fail before loading a big model
     seed = _seed_arg(args.seed)

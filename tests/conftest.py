@@ -11,6 +11,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # `python train.py` without --preset picks the demo extra's 270M model when installed; tests
 # (and the train.py subprocesses they start, which inherit this) use the toy unless they opt in.
 os.environ.setdefault("JAXLM_DEFAULT_PRESET", "gemma_tiny")
+# ... and compile every program: no run reads or fills the user's compile cache
+# (tests/test_compile_cache.py turns it on in a folder of its own).
+os.environ["JAXLM_COMPILE_CACHE"] = ""
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

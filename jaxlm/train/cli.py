@@ -132,6 +132,7 @@ class Args:
     packing: bool = False
     tfds_data_dir: str | None = None
     allow_data_change: bool = False
+    compile_cache: str | None = None
 
 
 def parse(argv: list[str]) -> Args:

@@ -33,6 +33,8 @@ SHARED = {  # flag -> (type, help)
     "compute_dtype": (str, "dtype of matmuls and activations (default float32 on CPU, bfloat16 "
                            "on GPU/TPU; under LoRA the frozen base is stored in it)"),
     "dtype": (str, "shorthand setting both --param_dtype and --compute_dtype"),
+    "compile_cache": (str, "folder where XLA's compiled steps are kept for the next run "
+                           "(default $JAXLM_COMPILE_CACHE, else ~/.cache/jaxlm/xla; empty: off)"),
 }
 
 

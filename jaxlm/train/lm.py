@@ -18,7 +18,7 @@ import jax
 
 import jaxlm
 import sharding
-from jaxlm import checkpoint, data, distributed, machine, precision, storage
+from jaxlm import checkpoint, compile_cache, data, distributed, machine, precision, storage
 from jaxlm.errors import UserError
 from jaxlm.loading import resolve
 from jaxlm.train import cli, loop, optim, report, trainer as trainer_lib
@@ -179,7 +179,7 @@ def run(a: cli.Args) -> int:
             a.preset, a.compile_only, mesh_spec=a.mesh, lora=lora_spec_of(a), layout=a.layout,
             batch_size=a.batch_size, sequence_length=a.sequence_length or cli.DATA_SEQUENCE_LENGTH,
             accum_steps=a.accum_steps, remat=a.remat, policy=policy_of(a, target), packing=a.packing)
-    phases = report.Phases()
+    phases, hits = report.Phases(), compile_cache.Hits()
     policy = policy_of(a)
     kind, family, config = resolve(a.preset, policy.compute)
     toy = kind == "preset"
@@ -330,4 +330,7 @@ def run(a: cli.Args) -> int:
                   f"tensorboard --logdir {storage.join(a.out, 'tensorboard')}")
     phases.mark("export")
     print(phases.table())
+    cached = hits.close()
+    if cached:
+        print(cached)
     return 0
