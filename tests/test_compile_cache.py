@@ -15,7 +15,7 @@ TINY = ["--mesh=1x2", "--lora_rank=4", "--steps=2", "--batch_size=4", "--sequenc
 
 
 def _train(args, cache=None, **env):
-    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    e = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     e.update(JAX_PLATFORMS="cpu", **env)
     if cache is not None:
         e["JAXLM_COMPILE_CACHE"] = str(cache)
