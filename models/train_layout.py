@@ -29,8 +29,9 @@ multiply a new kernel every step in the slow form (about 400 ms of a 3 s step fo
 query and value kernels), and a bfloat16 merge rounds away a small update A @ B.
 
 Without a layout (float32, which has no fast form to gain; a narrow base too large for the
-copies, or on a CPU without AMX, where `product` multiplies the stored kernels both ways) the factors stay unmerged all the same: an adapted product is the stored kernel's
-product plus the low-rank term, so the step computes no gradient for a merged kernel (the
+copies, or on a CPU without AMX, where `product` multiplies the stored kernels both ways)
+the factors stay unmerged all the same: an adapted product is the stored kernel's product
+plus the low-rank term, so the step computes no gradient for a merged kernel (the
 270M's float32 LoRA step at 8 x 128 tokens 3-4% faster than merged, Gemma 2B's bfloat16 one
 4-6%, bench/README.md). The low-rank term's backward (`_factored`)
 transposes only its rank-r operands.
@@ -57,9 +58,9 @@ def pays(platform: str, dtype, nbytes: int) -> bool:
     on a CPU with AMX, for a base narrower than float32 whose copies fit MAX_BYTES.
 
     Without AMX, XLA:CPU multiplies a narrow dy @ W^T with W in place (`cpu_forms.times_t`),
-    so the stored kernels serve both products (`product` without a layout): the real Gemma 3 270M's
-    bfloat16 LoRA step at 8 x 128 tokens on a 2-core AMD EPYC took 3328 ms with the layout
-    and 3328 without (medians 3371 / 3413; merged 3419 / 3503), and the layout held 0.50 GiB
+    so the stored kernels serve both products (`product` without a layout): the real Gemma 3
+    270M's bfloat16 LoRA step at 8 x 128 tokens on a 2-core AMD EPYC took 3328 ms with the
+    layout and 3328 without (medians 3371 / 3413; merged 3419 / 3503), and the layout held 0.50 GiB
     more (`python bench/real_step_ab.py --what=train_layout --batch=8 --seq=128`,
     bench/README.md)."""
     return (platform == "cpu" and jnp.dtype(dtype) != jnp.float32 and nbytes <= MAX_BYTES

@@ -214,8 +214,8 @@ def test_bfloat16_lora_on_cpu_trains_through_the_layout_as_without_it(monkeypatc
 
 def test_a_narrow_base_too_large_for_the_layout_keeps_the_adapters_unmerged(monkeypatch):
     """A bfloat16 base whose layout would not fit (Gemma 2B's) trains without one, its factors
-    beside the stored kernels (`train_layout.product` without a layout): no merged kernel, no gradient
-    for it; on the 1x8 mesh it loses as the merged step does, to bfloat16's rounding."""
+    beside the stored kernels (`train_layout.product` without a layout): no merged kernel, no
+    gradient for it; on the 1x8 mesh it loses as the merged step does, to bfloat16's rounding."""
     monkeypatch.setattr(train_layout, "MAX_BYTES", 1)
     calls, laid = [], train_layout.product
     monkeypatch.setattr(train_layout, "product", lambda x, forward, backward=None: (
