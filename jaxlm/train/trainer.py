@@ -83,8 +83,8 @@ def train_layout_of(model, params, *, lora: bool, platform: str) -> Callable | N
     the step computes no gradient for a targeted kernel (the 270M's float32 step at 8 x 128
     tokens 3-4% faster; Gemma 2B's bfloat16 step at 2 x 128 on a 2-core AMD EPYC 8951 -> 8547
     ms, best of 6, `python bench/real_step_ab.py --what=unmerged --preset=gemma_2b_en
-    --dtype=bfloat16 --batch=2 --seq=128`; bench/README.md). A layer scan merges: its blocks see only their
-    params."""
+    --dtype=bfloat16 --batch=2 --seq=128`; bench/README.md). A layer scan merges: its blocks
+    see only their params."""
     if (not lora or getattr(model.config, "family", None) != "gemma" or platform != "cpu"
             or getattr(model.config, "scan_layers", False)):
         return None
