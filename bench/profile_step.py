@@ -20,7 +20,7 @@ Two cores run ops side by side, so "other" counts only what no product overlaps.
 
 `--tiny`: the built-in `gemma_tiny` (random weights), the peak at n = 512 only (a smoke run).
 `--preset=NAME`: a built-in architecture with random weights instead of the demo's, e.g.
-`gemma_2b_en` (the issue's 2B LoRA at `--batch=2`; ~40 s to draw its weights on a CPU).
+`gemma_2b_en` (the issue's 2B LoRA at `--batch=2`; ~7 s to draw its weights on a CPU).
 
 Ends with
     BENCH profile_<lora|full>[_bf16]_t<T> step_ms=<x> products_ms=<x> other_ms=<x> idle_ms=<x> mfu=<x> mfu_products_only=<x> unit=ms

@@ -30,6 +30,7 @@ import sys
 from typing import Callable
 
 import jax
+import jax.extend.random
 import jax.numpy as jnp
 
 from jaxlm import checkpoint, families, precision, storage, tokenizer
@@ -217,12 +218,12 @@ def load(path: str, dtype: str | None = None, abstract: bool = False, *,
 def init_params(model, shapes: dict, placement: Placement | None, seed: int = 0) -> dict:
     """Random init, created directly in the target dtype and shardings (never whole on one device).
 
-    The key is an "rbg" key (XLA's RngBitGenerator): each tensor's random bits are made inside
-    the fusion that turns them into its values. With JAX's default threefry, XLA:CPU runs the
-    hash as a loop over full-size uint32 counters and scheduled every parameter's counters
-    before any loop, so Gemma 2B in bfloat16 (5.0 GB of parameters) asked for 23.7 GB of
-    temporaries (0.16 GB with rbg) and was killed on a 24 GB machine. The same seed gives the
-    same parameters on any mesh.
+    The key is an `INIT_PRNG` key (XLA's RngBitGenerator): each tensor's random bits are made
+    inside the fusion that turns them into its values. With JAX's default threefry, XLA:CPU
+    runs the hash as a loop over full-size uint32 counters and scheduled every parameter's
+    counters before any loop, so Gemma 2B in bfloat16 (5.0 GB of parameters) asked for 23.7 GB
+    of temporaries (0.16 GB with RngBitGenerator) and was killed on a 24 GB machine. The same
+    seed gives the same parameters on any mesh.
     """
     return initializer(model, shapes, placement, seed)()["params"]
 
@@ -233,7 +234,24 @@ def initializer(model, shapes: dict, placement: Placement | None = None, seed: i
     out = None
     if placement is not None:
         out = {"params": unflatten({p: placement(p, s.shape) for p, s in shapes.items()})}
-    return jax.jit(lambda: model.init(jax.random.key(seed, impl="rbg"), ids), out_shardings=out)
+    return jax.jit(lambda: model.init(jax.random.key(seed, impl=INIT_PRNG), ids), out_shardings=out)
+
+
+def _threefry_bits(key, bit_width: int, shape):
+    _, bits = jax.lax.rng_bit_generator(key, shape, jnp.dtype(f"uint{bit_width}"),
+                                        algorithm=jax.lax.RandomAlgorithm.RNG_THREE_FRY)
+    return bits
+
+
+# JAX's "rbg" keys, whose bits XLA makes with ThreeFry-2x32 rather than the backend's default
+# algorithm. XLA:CPU's default is Philox, whose 64-bit products it does not vectorise: 9.4 ns a
+# value against ThreeFry's 1.5 (a [2048, 16384] uniform draw, a 2-core AMD EPYC), and Gemma 2B's
+# random init in bfloat16 took 33.9 s against 6.6 s, with the same 0.04 GB of temporaries
+# (ad hoc, bench/README.md). Keys are seeded, split and folded as rbg's.
+_RBG = jax.extend.random.rbg_prng_impl
+INIT_PRNG = jax.extend.random.define_prng_impl(
+    key_shape=_RBG.key_shape, seed=_RBG.seed, split=_RBG.split, fold_in=_RBG.fold_in,
+    random_bits=_threefry_bits, name="rbg_threefry", tag="rbg3")
 
 
 def save(out_dir: str, model, params: dict, tokenizer=None, format: str = "jaxlm") -> None:

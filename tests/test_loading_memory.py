@@ -1,12 +1,15 @@
 """Loading holds little beyond the parameters it returns: random init needs few temporaries
 (the compiler's own count), and a GGUF file is dequantised one tensor at a time, each placed
 before the next is read, the embedding by the rows each device holds."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxlm
+import sharding
 from jaxlm import loading
 from models.gemma import PRESETS, Gemma, GemmaConfig
 from test_gguf import SMALL, write_gguf
@@ -23,6 +26,29 @@ def test_random_init_needs_few_temporaries():
     params = loading.init_params(model, loading.abstract_params(model, cfg), None, seed=0)
     assert params["token_embedding"]["embeddings"].dtype == jnp.bfloat16
     assert float(jnp.std(params["token_embedding"]["embeddings"].astype(jnp.float32))) > 0
+
+
+
+def test_random_init_draws_threefry_bits_the_same_on_any_mesh():
+    """The built-in presets' random init makes its bits with XLA's ThreeFry, not the backend's
+    default (XLA:CPU's Philox is ~6x slower), and a seed gives the same parameters whole on
+    one device as split over a mesh."""
+    cfg = PRESETS["gemma_tiny"].replace(dtype="bfloat16")
+    model = Gemma(cfg)
+    shapes = loading.abstract_params(model, cfg)
+    text = loading.initializer(model, shapes).lower().as_text()
+    algorithms = set(re.findall(r"rng_bit_generator .*?algorithm = (\w+)", text))
+    assert algorithms == {"THREE_FRY"}
+    whole = loading.init_params(model, shapes, None, seed=3)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("batch", "model"))
+    split = loading.init_params(model, shapes, sharding.placement(mesh, sharding.rules_for(cfg)), seed=3)
+    emb = split["token_embedding"]["embeddings"]
+    assert len(emb.addressable_shards) == 8 and emb.addressable_shards[0].data.size < emb.size
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), whole, split)))
+    other = loading.init_params(model, shapes, None, seed=4)
+    assert not jnp.array_equal(other["token_embedding"]["embeddings"], whole["token_embedding"]["embeddings"])
+    std = float(jnp.std(whole["token_embedding"]["embeddings"].astype(jnp.float32)))
+    assert abs(std / cfg.vocab_size ** -0.5 - 1) < 0.05
 
 
 def one_layer_gguf(spm_tokenizer, tmp_path):
