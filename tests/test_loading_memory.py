@@ -28,7 +28,6 @@ def test_random_init_needs_few_temporaries():
     assert float(jnp.std(params["token_embedding"]["embeddings"].astype(jnp.float32))) > 0
 
 
-
 def test_random_init_draws_threefry_bits_the_same_on_any_mesh():
     """The built-in presets' random init makes its bits with XLA's ThreeFry, not the backend's
     default (XLA:CPU's Philox is ~6x slower), and a seed gives the same parameters whole on
